@@ -1,0 +1,19 @@
+"""nybble: NF4 quantization and LoRA/QLoRA layer math, bit-exact with bitsandbytes.
+
+numpy in -> numpy out (the Rust core, on the CPU); CuPy in -> CuPy out (CUDA kernels).
+`nybble.reference` is the pure-numpy oracle that states the math.
+"""
+
+from . import reference
+from .errors import FormatError
+from .tensor import NF4Tensor, dequantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FormatError",
+    "NF4Tensor",
+    "dequantize",
+    "quantize",
+    "reference",
+]

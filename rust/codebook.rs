@@ -1,0 +1,232 @@
+//! The base formats: their value tables and the rule that turns a normalised value
+//! `v = x / absmax` (in `[-1, 1]`) into a code. This is the one place these numbers live.
+
+/// NF4 codebook (index -> value), the exact f32 values of bitsandbytes and the QLoRA paper.
+pub const NF4: [f32; 16] = [
+    -1.0,
+    -0.696_192_800_998_687_7,
+    -0.525_073_051_452_636_7,
+    -0.394_917_488_098_144_53,
+    -0.284_441_381_692_886_35,
+    -0.184_773_430_228_233_34,
+    -0.091_050_036_251_544_95,
+    0.0,
+    0.079_580_299_556_255_34,
+    0.160_930_201_411_247_25,
+    0.246_112_301_945_686_34,
+    0.337_915_241_718_292_24,
+    0.440_709_829_330_444_34,
+    0.562_617_003_917_694_1,
+    0.722_956_836_223_602_3,
+    1.0,
+];
+
+/// Decision thresholds of NF4: `(c[k] + c[k+1]) / 2` in f32. A value exactly on a
+/// threshold takes the lower code (the comparison is a strict `>`).
+pub const NF4_MIDPOINTS: [f32; 15] = nf4_midpoints();
+
+const fn nf4_midpoints() -> [f32; 15] {
+    let mut m = [0.0f32; 15];
+    let mut k = 0;
+    while k < 15 {
+        // Halving is exact, so this is the f32 rounding of the true midpoint.
+        m[k] = (NF4[k] + NF4[k + 1]) * 0.5;
+        k += 1;
+    }
+    m
+}
+
+/// The NF4 code of a normalised value: how many thresholds lie strictly below it.
+#[inline]
+pub fn nf4_code(v: f32) -> u8 {
+    NF4_MIDPOINTS.iter().filter(|&&m| v > m).count() as u8
+}
+
+/// NF4 code of 0.0; it fills all-zero blocks and the padding nibble of an odd length.
+pub const NF4_ZERO_CODE: u8 = 7;
+
+/// bitsandbytes' FP4 (e2m1 without infinities, scaled to max 1) in code order: bit 3 is
+/// the sign, bits 0-2 the magnitude, so code 8 is -0.0.
+pub const FP4: [f32; 16] = [
+    0.0,
+    0.005_208_333_5,
+    0.666_666_7,
+    1.0,
+    0.333_333_34,
+    0.5,
+    0.166_666_67,
+    0.25,
+    -0.0,
+    -0.005_208_333_5,
+    -0.666_666_7,
+    -1.0,
+    -0.333_333_34,
+    -0.5,
+    -0.166_666_67,
+    -0.25,
+];
+
+/// FP4 magnitude thresholds, as bitsandbytes writes them (decimal literals, not the exact
+/// midpoints), ascending; `FP4_MAGNITUDE_CODES[k]` is the code of the k-th smallest magnitude.
+pub const FP4_THRESHOLDS: [f32; 7] = [
+    0.002_604_17,
+    0.085_937_5,
+    0.208_333_33,
+    0.291_666_67,
+    0.416_666_7,
+    0.583_333,
+    0.833_333_3,
+];
+const FP4_MAGNITUDE_CODES: [u8; 8] = [0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011];
+
+/// The FP4 code of a normalised value: sign bit for `v < 0`, then the nearest magnitude.
+#[inline]
+pub fn fp4_code(v: f32) -> u8 {
+    let sign = if v < 0.0 { 0b1000 } else { 0 };
+    let a = v.abs();
+    let rank = FP4_THRESHOLDS.iter().filter(|&&t| a > t).count();
+    sign | FP4_MAGNITUDE_CODES[rank]
+}
+
+/// FP4 code of 0.0.
+pub const FP4_ZERO_CODE: u8 = 0;
+
+/// Symmetric linear int8: code `q` (two's complement in a byte) stands for `q / 127`.
+pub fn int8_value(code: u8) -> f32 {
+    (code as i8) as f32 / 127.0
+}
+
+/// The int8 code of a normalised value: `round(v * 127)`, ties to even, within ±127.
+#[inline]
+pub fn int8_code(v: f32) -> u8 {
+    ((v * 127.0).round_ties_even().clamp(-127.0, 127.0) as i8) as u8
+}
+
+/// A base format: 4-bit NF4 or FP4 (two codes per byte) or 8-bit int8 (one per byte).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Nf4,
+    Fp4,
+    Int8,
+}
+
+impl Format {
+    pub fn parse(name: &str) -> Option<Format> {
+        match name {
+            "nf4" => Some(Format::Nf4),
+            "fp4" => Some(Format::Fp4),
+            "int8" => Some(Format::Int8),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Nf4 => "nf4",
+            Format::Fp4 => "fp4",
+            Format::Int8 => "int8",
+        }
+    }
+
+    /// Bits per stored code.
+    pub fn bits(self) -> usize {
+        match self {
+            Format::Nf4 | Format::Fp4 => 4,
+            Format::Int8 => 8,
+        }
+    }
+
+    /// Bytes of codes for `n` values.
+    pub fn code_bytes(self, n: usize) -> usize {
+        match self.bits() {
+            4 => n.div_ceil(2),
+            _ => n,
+        }
+    }
+
+    /// The code of a normalised value.
+    #[inline]
+    pub fn code(self, v: f32) -> u8 {
+        match self {
+            Format::Nf4 => nf4_code(v),
+            Format::Fp4 => fp4_code(v),
+            Format::Int8 => int8_code(v),
+        }
+    }
+
+    /// The code that decodes to zero (all-zero blocks, padding).
+    pub fn zero_code(self) -> u8 {
+        match self {
+            Format::Nf4 => NF4_ZERO_CODE,
+            Format::Fp4 => FP4_ZERO_CODE,
+            Format::Int8 => 0,
+        }
+    }
+
+    /// The value of a code (4-bit formats use only codes 0..16).
+    pub fn value(self, code: u8) -> f32 {
+        match self {
+            Format::Nf4 => NF4[(code & 0x0F) as usize],
+            Format::Fp4 => FP4[(code & 0x0F) as usize],
+            Format::Int8 => int8_value(code),
+        }
+    }
+
+    /// The 16-entry value table of a 4-bit format.
+    pub fn table16(self) -> Option<&'static [f32; 16]> {
+        match self {
+            Format::Nf4 => Some(&NF4),
+            Format::Fp4 => Some(&FP4),
+            Format::Int8 => None,
+        }
+    }
+
+    /// All code values, indexed by code (16 entries for 4-bit formats, 256 for int8).
+    pub fn values(self) -> Vec<f32> {
+        (0..1usize << self.bits())
+            .map(|c| self.value(c as u8))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nf4_is_strictly_increasing_with_fixed_ends() {
+        assert!(NF4.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!((NF4[0], NF4[7], NF4[15]), (-1.0, 0.0, 1.0));
+    }
+
+    #[test]
+    fn nf4_codes_its_own_values_and_ties_go_down() {
+        for (k, &c) in NF4.iter().enumerate() {
+            assert_eq!(nf4_code(c) as usize, k);
+        }
+        for (k, &m) in NF4_MIDPOINTS.iter().enumerate() {
+            assert_eq!(nf4_code(m) as usize, k, "midpoint {k} takes the lower code");
+            assert_eq!(nf4_code(m.next_up()) as usize, k + 1);
+        }
+        assert_eq!(nf4_code(0.0), 7);
+        assert_eq!(nf4_code(-0.0), 7);
+    }
+
+    #[test]
+    fn fp4_codes_its_own_values() {
+        for (code, &c) in FP4.iter().enumerate() {
+            assert_eq!(
+                fp4_code(c),
+                if code == 8 { 0 } else { code as u8 },
+                "value {c}"
+            );
+        }
+    }
+
+    #[test]
+    fn int8_codes_its_own_values() {
+        for q in -127i8..=127 {
+            assert_eq!(int8_code(int8_value(q as u8)), q as u8);
+        }
+    }
+}
