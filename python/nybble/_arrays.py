@@ -49,7 +49,10 @@ def is_cuda(x: Any) -> bool:
 def _torch_bfloat16_view(x: Any) -> np.ndarray | None:
     """A torch bf16 tensor as a numpy bf16 array without a copy (numpy's DLPack import has
     no bfloat16): view the tensor as int16, import that, view the result as bf16."""
-    if type(x).__module__.split(".")[0] != "torch" or str(getattr(x, "dtype", "")) != "torch.bfloat16":
+    if (
+        type(x).__module__.split(".")[0] != "torch"
+        or str(getattr(x, "dtype", "")) != "torch.bfloat16"
+    ):
         return None
     import torch  # present: x is a torch tensor
 

@@ -67,7 +67,8 @@ def encode(v: F32, codebook: str) -> U8:
         return (np.where(v < 0, 0b1000, 0) | FP4_MAGNITUDE_CODES[magnitude]).astype(np.uint8)
     if codebook == "int8":
         q = np.clip(np.rint(v * np.float32(127)), -127, 127)
-        return q.astype(np.int8).view(np.uint8)
+        with np.errstate(invalid="ignore"):  # NaN in all-zero blocks, overwritten by the caller
+            return q.astype(np.int8).view(np.uint8)
     raise ValueError(f"unknown codebook {codebook!r}")
 
 
@@ -123,9 +124,7 @@ def quantize(x: F32, blocksize: int = 64, codebook: str = "nf4") -> tuple[U8, F3
     return codes, absmax.astype(np.float32)
 
 
-def dequantize(
-    codes: U8, absmax: F32, n: int, blocksize: int = 64, codebook: str = "nf4"
-) -> F32:
+def dequantize(codes: U8, absmax: F32, n: int, blocksize: int = 64, codebook: str = "nf4") -> F32:
     """value(code) * absmax in float32 (round to another dtype afterwards)."""
     if BITS[codebook] == 4:
         codes = unpack_nibbles(codes, n)

@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(SAMPLE_SEED)
     w = (rng.standard_normal(SAMPLE_SHAPE) * 0.02).astype(np.float32)
     t0 = time.perf_counter()
-    q = quantize(w, blocksize=args.blocksize, double_quant=args.double_quant, codebook=args.codebook)
+    q = quantize(
+        w, blocksize=args.blocksize, double_quant=args.double_quant, codebook=args.codebook
+    )
     t1 = time.perf_counter()
     back = q.dequantize("float32")
     t2 = time.perf_counter()
