@@ -86,9 +86,9 @@ pub fn dequantize_into<O: SimdOutput>(
     check_len("bytes of codes", format.code_bytes(n), codes.len())?;
     check_len("number of scales", block_count(n, blocksize), absmax.len())?;
     let level = simd::level();
-    let kernel = |c: &[u8], a: &[f32], o: &mut [O]| match format {
-        Format::Int8 => scalar::dequantize(format, c, a, blocksize, o),
-        _ => simd::dequantize_4bit(level, format, c, a, blocksize, o),
+    let kernel = |c: &[u8], a: &[f32], o: &mut [O]| match format.bits() {
+        4 => simd::dequantize_4bit(level, format, c, a, blocksize, o),
+        _ => scalar::dequantize(format, c, a, blocksize, o),
     };
     if n < PARALLEL_MIN {
         kernel(codes, absmax, out);

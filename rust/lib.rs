@@ -4,6 +4,7 @@
 
 pub mod codebook;
 pub mod codec;
+pub mod double_quant;
 pub mod element;
 pub mod error;
 pub mod layout;

@@ -3,13 +3,13 @@
 
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::codebook::Format;
 use crate::error::Error;
-use crate::{codec, layout};
+use crate::{codec, double_quant, layout};
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -18,6 +18,9 @@ impl From<Error> for PyErr {
 }
 
 fn parse_format(name: &str) -> PyResult<Format> {
+    if name == "dynamic8" {
+        return Ok(Format::Dynamic8);
+    }
     Format::parse(name).ok_or_else(|| {
         PyValueError::new_err(format!(
             "codebook must be 'nf4', 'fp4' or 'int8', got {name:?}"
@@ -75,54 +78,63 @@ fn quantize<'py>(
                     let s: &[bf16] = s.reinterpret_cast();
                     py.detach(|| codec::quantize(s, blocksize, format))
                 }
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "uint16 input needs bits16='float16' or 'bfloat16', got {other:?}"
-                    )))
-                }
+                other => return Err(bits16_error(other)),
             }
         }
     }?;
     Ok(into_pair(py, q))
 }
 
-/// Dequantizes `n` values to `dtype` ("float32", or "float16"/"bfloat16" returned as uint16 bits).
+/// A flat output array: f32, or 16-bit floats written as their uint16 bits.
+#[derive(FromPyObject)]
+enum FloatArrayMut<'py> {
+    F32(PyReadwriteArray1<'py, f32>),
+    Bits16(PyReadwriteArray1<'py, u16>),
+}
+
+/// Dequantizes into `out` (its length is the element count). The caller allocates `out`
+/// with numpy, whose allocator asks for huge pages: far fewer page faults on big outputs.
 #[pyfunction]
-fn dequantize<'py>(
+#[pyo3(signature = (codes, absmax, blocksize, codebook, out, bits16 = None))]
+fn dequantize_into<'py>(
     py: Python<'py>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax: PyReadonlyArray1<'py, f32>,
-    n: usize,
     blocksize: usize,
     codebook: &str,
-    dtype: &str,
-) -> PyResult<Bound<'py, PyAny>> {
+    mut out: FloatArrayMut<'py>,
+    bits16: Option<&str>,
+) -> PyResult<()> {
     let format = parse_format(codebook)?;
     let (c, a) = (slice(&codes, "codes")?, slice(&absmax, "absmax")?);
-    Ok(match dtype {
-        "float32" => {
-            let mut out = vec![0f32; n];
-            py.detach(|| codec::dequantize_into(c, a, blocksize, format, &mut out))?;
-            out.into_pyarray(py).into_any()
+    let not_contiguous = || PyValueError::new_err("out must be C-contiguous");
+    match &mut out {
+        FloatArrayMut::F32(o) => {
+            let o = o.as_slice_mut().map_err(|_| not_contiguous())?;
+            py.detach(|| codec::dequantize_into(c, a, blocksize, format, o))?;
         }
-        "float16" | "bfloat16" => {
-            // Written through a 16-bit float view of a uint16 buffer (zeroed lazily by the OS).
-            let mut out = vec![0u16; n];
-            if dtype == "float16" {
-                let o: &mut [f16] = out.reinterpret_cast_mut();
-                py.detach(|| codec::dequantize_into(c, a, blocksize, format, o))?;
-            } else {
-                let o: &mut [bf16] = out.reinterpret_cast_mut();
-                py.detach(|| codec::dequantize_into(c, a, blocksize, format, o))?;
+        FloatArrayMut::Bits16(o) => {
+            let o = o.as_slice_mut().map_err(|_| not_contiguous())?;
+            match bits16 {
+                Some("float16") => {
+                    let o: &mut [f16] = o.reinterpret_cast_mut();
+                    py.detach(|| codec::dequantize_into(c, a, blocksize, format, o))?;
+                }
+                Some("bfloat16") => {
+                    let o: &mut [bf16] = o.reinterpret_cast_mut();
+                    py.detach(|| codec::dequantize_into(c, a, blocksize, format, o))?;
+                }
+                other => return Err(bits16_error(other)),
             }
-            out.into_pyarray(py).into_any()
         }
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "dtype must be 'float32', 'float16' or 'bfloat16', got {other:?}"
-            )))
-        }
-    })
+    }
+    Ok(())
+}
+
+fn bits16_error(got: Option<&str>) -> PyErr {
+    PyValueError::new_err(format!(
+        "uint16 arrays need bits16='float16' or 'bfloat16', got {got:?}"
+    ))
 }
 
 /// Split layout (blocksize 64) -> `nblocks * 36` bytes.
@@ -153,6 +165,29 @@ fn from_blocks36<'py>(
     Ok(into_pair(py, codec::Quantized { codes, absmax }))
 }
 
+/// Double-quantizes per-block scales -> (codes, absmax2, offset).
+#[pyfunction]
+fn double_quantize<'py>(
+    py: Python<'py>,
+    absmax: PyReadonlyArray1<'py, f32>,
+) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<f32>>, f32)> {
+    let a = slice(&absmax, "absmax")?;
+    let n = py.detach(|| double_quant::quantize(a))?;
+    Ok((n.codes.into_pyarray(py), n.absmax2.into_pyarray(py), n.offset))
+}
+
+/// The scales of double-quantized `codes`.
+#[pyfunction]
+fn double_dequantize<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    absmax2: PyReadonlyArray1<'py, f32>,
+    offset: f32,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let (c, a) = (slice(&codes, "codes")?, slice(&absmax2, "absmax2")?);
+    Ok(py.detach(|| double_quant::dequantize(c, a, offset))?.into_pyarray(py))
+}
+
 /// The value table of a format, indexed by code.
 #[pyfunction]
 fn codebook_values(codebook: &str) -> PyResult<Vec<f32>> {
@@ -175,9 +210,11 @@ fn _panic(message: &str) {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quantize, m)?)?;
-    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize_into, m)?)?;
     m.add_function(wrap_pyfunction!(to_blocks36, m)?)?;
     m.add_function(wrap_pyfunction!(from_blocks36, m)?)?;
+    m.add_function(wrap_pyfunction!(double_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(double_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(codebook_values, m)?)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;

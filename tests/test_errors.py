@@ -88,13 +88,19 @@ def test_core_rejects_inconsistent_sizes_with_value_errors() -> None:
     """The binding checks sizes itself, so no Rust assertion can be reached from Python."""
     codes = np.zeros(32, np.uint8)
     with pytest.raises(ValueError, match="number of scales"):
-        _core.dequantize(codes, np.zeros(2, np.float32), 64, 64, "nf4", "float32")
+        _core.dequantize_into(codes, np.zeros(2, np.float32), 64, "nf4", np.empty(64, np.float32))
     with pytest.raises(ValueError, match="bytes of codes"):
-        _core.dequantize(codes, np.zeros(1, np.float32), 66, 64, "nf4", "float32")
+        _core.dequantize_into(codes, np.zeros(1, np.float32), 64, "nf4", np.empty(66, np.float32))
     with pytest.raises(ValueError, match="C-contiguous"):
         _core.quantize(np.zeros(128, np.float32)[::2], 64, "nf4")
     with pytest.raises(ValueError, match="bits16"):
         _core.quantize(np.zeros(8, np.uint16), 64, "nf4")
+    with pytest.raises(ValueError, match="bits16"):
+        _core.dequantize_into(codes, np.zeros(1, np.float32), 64, "nf4", np.empty(64, np.uint16))
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        _core.dequantize_into(
+            codes, np.zeros(1, np.float32), 64, "nf4", np.empty(128, np.float32)[::2]
+        )
     with pytest.raises(TypeError):
         _core.quantize(np.zeros(8, np.int64), 64, "nf4")  # type: ignore[arg-type]
 

@@ -28,10 +28,11 @@ NF4 = np.array(
 #: NF4 decision thresholds (c[k] + c[k+1]) / 2 in float32; a tie takes the lower code.
 NF4_MIDPOINTS = ((NF4[:-1] + NF4[1:]) * np.float32(0.5)).astype(np.float32)
 
-#: bitsandbytes FP4 in code order: bit 3 is the sign, bits 0-2 the magnitude.
+#: bitsandbytes FP4 in code order: bit 3 is the sign, bits 0-2 the magnitude. Code 8 is
+#: +0.0, as in bitsandbytes' table (its "-0" entry is the integer 0).
 FP4 = np.array(
     [0.0, 0.0052083333, 0.6666667, 1.0, 0.33333334, 0.5, 0.16666667, 0.25,
-     -0.0, -0.0052083333, -0.6666667, -1.0, -0.33333334, -0.5, -0.16666667, -0.25],
+     0.0, -0.0052083333, -0.6666667, -1.0, -0.33333334, -0.5, -0.16666667, -0.25],
     dtype=np.float32,
 )  # fmt: skip
 #: FP4 magnitude thresholds as bitsandbytes writes them, ascending.
@@ -47,9 +48,70 @@ INT8 = (np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32) / np.flo
     np.float32
 )
 
-CODEBOOKS = {"nf4": NF4, "fp4": FP4, "int8": INT8}
-ZERO_CODE = {"nf4": 7, "fp4": 0, "int8": 0}
-BITS = {"nf4": 4, "fp4": 4, "int8": 8}
+#: bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), sorted; it
+#: quantizes the scales under double quantization. DYNAMIC_MAP[127] == 0, [255] == 1.
+DYNAMIC_MAP = np.array(
+    [
+        -0.99296874, -0.9789063, -0.96484375, -0.9507812, -0.93671876,
+        -0.92265624, -0.9085938, -0.89453125, -0.8804687, -0.86640626,
+        -0.85234374, -0.8382813, -0.82421875, -0.8101562, -0.79609376,
+        -0.78203124, -0.7679688, -0.75390625, -0.7398437, -0.72578126,
+        -0.7117188, -0.6976563, -0.68359375, -0.6695312, -0.65546876,
+        -0.6414063, -0.6273438, -0.61328125, -0.5992187, -0.58515626,
+        -0.5710938, -0.5570313, -0.54296875, -0.5289062, -0.5148437,
+        -0.50078124, -0.4867187, -0.47265625, -0.45859373, -0.44453126,
+        -0.43046874, -0.41640624, -0.40234375, -0.38828123, -0.37421876,
+        -0.36015624, -0.34609374, -0.33203125, -0.31796873, -0.30390626,
+        -0.28984374, -0.27578127, -0.26171875, -0.24765624, -0.23359375,
+        -0.21953125, -0.20546874, -0.19140625, -0.17734376, -0.16328125,
+        -0.14921875, -0.13515624, -0.12109375, -0.107031256, -0.09859375,
+        -0.09578126, -0.092968754, -0.09015625, -0.08734375, -0.08453125,
+        -0.08171876, -0.07890625, -0.07609375, -0.07328125, -0.070468746,
+        -0.067656256, -0.06484375, -0.06203125, -0.059218753, -0.05640625,
+        -0.05359375, -0.05078125, -0.04796875, -0.04515625, -0.042343747,
+        -0.03953125, -0.036718752, -0.03390625, -0.03109375, -0.028281251,
+        -0.02546875, -0.02265625, -0.019843752, -0.01703125, -0.01421875,
+        -0.01140625, -0.00971875, -0.009156249, -0.00859375, -0.00803125,
+        -0.00746875, -0.00690625, -0.00634375, -0.00578125, -0.0052187503,
+        -0.0046562497, -0.00409375, -0.0035312497, -0.00296875, -0.00240625,
+        -0.00184375, -0.0012812499, -0.0009437501, -0.00083125, -0.00071875006,
+        -0.0006062501, -0.00049375003, -0.00038125002, -0.00026875004, -0.00015625001,
+        -0.00008875, -0.00006625, -0.00004375, -0.000021249998, -0.00000775,
+        -0.0000032500002, -0.00000055000004, 0., 0.00000055000004, 0.0000032500002,
+        0.00000775, 0.000021249998, 0.00004375, 0.00006625, 0.00008875,
+        0.00015625001, 0.00026875004, 0.00038125002, 0.00049375003, 0.0006062501,
+        0.00071875006, 0.00083125, 0.0009437501, 0.0012812499, 0.00184375,
+        0.00240625, 0.00296875, 0.0035312497, 0.00409375, 0.0046562497,
+        0.0052187503, 0.00578125, 0.00634375, 0.00690625, 0.00746875,
+        0.00803125, 0.00859375, 0.009156249, 0.00971875, 0.01140625,
+        0.01421875, 0.01703125, 0.019843752, 0.02265625, 0.02546875,
+        0.028281251, 0.03109375, 0.03390625, 0.036718752, 0.03953125,
+        0.042343747, 0.04515625, 0.04796875, 0.05078125, 0.05359375,
+        0.05640625, 0.059218753, 0.06203125, 0.06484375, 0.067656256,
+        0.070468746, 0.07328125, 0.07609375, 0.07890625, 0.08171876,
+        0.08453125, 0.08734375, 0.09015625, 0.092968754, 0.09578126,
+        0.09859375, 0.107031256, 0.12109375, 0.13515624, 0.14921875,
+        0.16328125, 0.17734376, 0.19140625, 0.20546874, 0.21953125,
+        0.23359375, 0.24765624, 0.26171875, 0.27578127, 0.28984374,
+        0.30390626, 0.31796873, 0.33203125, 0.34609374, 0.36015624,
+        0.37421876, 0.38828123, 0.40234375, 0.41640624, 0.43046874,
+        0.44453126, 0.45859373, 0.47265625, 0.4867187, 0.50078124,
+        0.5148437, 0.5289062, 0.54296875, 0.5570313, 0.5710938,
+        0.58515626, 0.5992187, 0.61328125, 0.6273438, 0.6414063,
+        0.65546876, 0.6695312, 0.68359375, 0.6976563, 0.7117188,
+        0.72578126, 0.7398437, 0.75390625, 0.7679688, 0.78203124,
+        0.79609376, 0.8101562, 0.82421875, 0.8382813, 0.85234374,
+        0.86640626, 0.8804687, 0.89453125, 0.9085938, 0.92265624,
+        0.93671876, 0.9507812, 0.96484375, 0.9789063, 0.99296874,
+        1.,
+    ],
+    dtype=np.float32,
+)  # fmt: skip
+DYNAMIC_MIDPOINTS = ((DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:]) * np.float32(0.5)).astype(np.float32)
+
+CODEBOOKS = {"nf4": NF4, "fp4": FP4, "int8": INT8, "dynamic8": DYNAMIC_MAP}
+ZERO_CODE = {"nf4": 7, "fp4": 0, "int8": 0, "dynamic8": 127}
+BITS = {"nf4": 4, "fp4": 4, "int8": 8, "dynamic8": 8}
 
 
 def codebook_values(codebook: str) -> F32:
@@ -65,6 +127,8 @@ def encode(v: F32, codebook: str) -> U8:
     if codebook == "fp4":
         magnitude = np.searchsorted(FP4_THRESHOLDS, np.abs(v), side="left")
         return (np.where(v < 0, 0b1000, 0) | FP4_MAGNITUDE_CODES[magnitude]).astype(np.uint8)
+    if codebook == "dynamic8":
+        return np.searchsorted(DYNAMIC_MIDPOINTS, v, side="left").astype(np.uint8)
     if codebook == "int8":
         q = np.clip(np.rint(v * np.float32(127)), -127, 127)
         with np.errstate(invalid="ignore"):  # NaN in all-zero blocks, overwritten by the caller
@@ -130,6 +194,27 @@ def dequantize(codes: U8, absmax: F32, n: int, blocksize: int = 64, codebook: st
         codes = unpack_nibbles(codes, n)
     scale = np.repeat(absmax.astype(np.float32), blocksize)[:n]
     return (CODEBOOKS[codebook][codes[:n]] * scale).astype(np.float32)
+
+
+# --- double quantization -------------------------------------------------------------
+
+NESTED_BLOCKSIZE = 256
+
+
+def double_quantize(absmax: F32) -> tuple[U8, F32, np.float32]:
+    """Scales -> (codes, absmax2, offset): subtract the mean (summed in order in float64,
+    rounded once to float32), then quantize blockwise (256) with the dynamic map."""
+    absmax = np.asarray(absmax, dtype=np.float32)
+    total = np.cumsum(absmax, dtype=np.float64)[-1] if absmax.size else 0.0
+    offset = np.float32(total / max(absmax.size, 1))
+    codes, absmax2 = quantize(absmax - offset, NESTED_BLOCKSIZE, "dynamic8")
+    return codes, absmax2, offset
+
+
+def double_dequantize(codes: U8, absmax2: F32, offset: float) -> F32:
+    """map[code] * absmax2[i // 256] + offset, rounded to float32 after each operation."""
+    scaled = dequantize(codes, absmax2, codes.size, NESTED_BLOCKSIZE, "dynamic8")
+    return (scaled + np.float32(offset)).astype(np.float32)
 
 
 # --- the 36-byte block layout ----------------------------------------------------------

@@ -82,8 +82,11 @@ class NF4Tensor:
         blocksize: int = 64,
         codebook: str = "nf4",
         nested: NestedAbsmax | None = None,
+        orig_dtype: str = "float32",
     ) -> None:
         self.shape = check_shape(shape)
+        #: The dtype of the tensor that was quantized (bitsandbytes records it as `dtype`).
+        self.orig_dtype = _arrays.output_dtype(orig_dtype)
         self.blocksize = check_blocksize(blocksize)
         self.codebook = check_codebook(codebook)
         n = self.size
@@ -151,10 +154,16 @@ class NF4Tensor:
             from . import cuda
 
             return cuda.dequantize(self, name)
-        flat = _core.dequantize(
-            self.codes, self.absmax, self.size, self.blocksize, self.codebook, name
-        )
-        return flat.view(_arrays.numpy_dtype(name)).reshape(self.shape)
+        out = np.empty(self.shape, _arrays.numpy_dtype(name))
+        flat = out.reshape(-1)
+        if name == "float32":
+            _core.dequantize_into(self.codes, self.absmax, self.blocksize, self.codebook, flat)
+        else:
+            bits = flat.view(np.uint16)
+            _core.dequantize_into(
+                self.codes, self.absmax, self.blocksize, self.codebook, bits, name
+            )
+        return out
 
     def to_blocks(self) -> np.ndarray:
         """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes."""
@@ -217,7 +226,8 @@ def quantize(
     else:
         codes, absmax = _core.quantize(a, blocksize, codebook)
     nested = NestedAbsmax.encode(absmax) if double_quant else None
-    return NF4Tensor(codes, absmax, host.shape, blocksize, codebook, nested)
+    orig = "float32" if a.dtype.name == "float64" else a.dtype.name
+    return NF4Tensor(codes, absmax, host.shape, blocksize, codebook, nested, orig)
 
 
 def dequantize(q: NF4Tensor, dtype: Any = "float32") -> Any:
