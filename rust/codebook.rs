@@ -1,6 +1,9 @@
 //! The base formats: their value tables and the rule that turns a normalised value
 //! `v = x / absmax` (in `[-1, 1]`) into a code. This is the one place these numbers live.
 
+// The tables are written with bitsandbytes' decimal literals, longer than f32 needs.
+#![allow(clippy::excessive_precision)]
+
 /// NF4 codebook (index -> value), the exact f32 values of bitsandbytes and the QLoRA paper.
 pub const NF4: [f32; 16] = [
     -1.0,
@@ -287,7 +290,11 @@ mod tests {
             assert_eq!(Format::Dynamic8.code(v) as usize, k);
         }
         for (k, &m) in DYNAMIC_MIDPOINTS.iter().enumerate() {
-            assert_eq!(Format::Dynamic8.code(m) as usize, k, "ties take the lower code");
+            assert_eq!(
+                Format::Dynamic8.code(m) as usize,
+                k,
+                "ties take the lower code"
+            );
         }
     }
 

@@ -39,7 +39,11 @@ pub fn quantize(absmax: &[f32]) -> Result<Nested> {
     let offset = mean(absmax);
     let centered: Vec<f32> = absmax.iter().map(|&a| a - offset).collect();
     let q = codec::quantize(&centered, NESTED_BLOCKSIZE, Format::Dynamic8)?;
-    Ok(Nested { codes: q.codes, absmax2: q.absmax, offset })
+    Ok(Nested {
+        codes: q.codes,
+        absmax2: q.absmax,
+        offset,
+    })
 }
 
 /// The scales back: `map[code] * absmax2[i / 256] + offset`, two f32 roundings (no fused
@@ -59,13 +63,18 @@ mod tests {
 
     #[test]
     fn round_trip_is_close_and_sizes_follow_the_blocks() {
-        let absmax: Vec<f32> = (0..600).map(|i| 0.5 + (i as f32 * 0.37).sin().abs()).collect();
+        let absmax: Vec<f32> = (0..600)
+            .map(|i| 0.5 + (i as f32 * 0.37).sin().abs())
+            .collect();
         let n = quantize(&absmax).unwrap();
         assert_eq!((n.codes.len(), n.absmax2.len()), (600, 3));
         let back = dequantize(&n.codes, &n.absmax2, n.offset).unwrap();
         for (a, b) in absmax.iter().zip(&back) {
             // One step of the dynamic map near 1.0 is ~1.4% of absmax2.
-            assert!((a - b).abs() <= 0.008 * n.absmax2[0].max(n.absmax2[1]), "{a} vs {b}");
+            assert!(
+                (a - b).abs() <= 0.008 * n.absmax2[0].max(n.absmax2[1]),
+                "{a} vs {b}"
+            );
         }
     }
 
@@ -74,7 +83,10 @@ mod tests {
         let n = quantize(&[0.25; 300]).unwrap();
         assert_eq!(n.offset, 0.25);
         assert!(n.codes.iter().all(|&c| c == 127));
-        assert_eq!(dequantize(&n.codes, &n.absmax2, n.offset).unwrap(), vec![0.25; 300]);
+        assert_eq!(
+            dequantize(&n.codes, &n.absmax2, n.offset).unwrap(),
+            vec![0.25; 300]
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
-use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -170,10 +170,13 @@ fn from_blocks36<'py>(
 fn double_quantize<'py>(
     py: Python<'py>,
     absmax: PyReadonlyArray1<'py, f32>,
-) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<f32>>, f32)> {
+) -> PyResult<(Pair<'py>, f32)> {
     let a = slice(&absmax, "absmax")?;
     let n = py.detach(|| double_quant::quantize(a))?;
-    Ok((n.codes.into_pyarray(py), n.absmax2.into_pyarray(py), n.offset))
+    Ok((
+        (n.codes.into_pyarray(py), n.absmax2.into_pyarray(py)),
+        n.offset,
+    ))
 }
 
 /// The scales of double-quantized `codes`.
@@ -185,13 +188,25 @@ fn double_dequantize<'py>(
     offset: f32,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
     let (c, a) = (slice(&codes, "codes")?, slice(&absmax2, "absmax2")?);
-    Ok(py.detach(|| double_quant::dequantize(c, a, offset))?.into_pyarray(py))
+    Ok(py
+        .detach(|| double_quant::dequantize(c, a, offset))?
+        .into_pyarray(py))
 }
 
 /// The value table of a format, indexed by code.
 #[pyfunction]
 fn codebook_values(codebook: &str) -> PyResult<Vec<f32>> {
     Ok(parse_format(codebook)?.values())
+}
+
+mod kernels {
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+/// The CUDA sources of `kernels/` (file name -> source), compiled lazily by the GPU backend.
+#[pyfunction]
+fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
+    kernels::KERNEL_SOURCES.iter().copied().collect()
 }
 
 /// The instruction set the kernels use on this CPU ("avx2" or "scalar").
@@ -217,6 +232,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(double_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(codebook_values, m)?)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;
     Ok(())
 }

@@ -61,7 +61,7 @@ class NestedAbsmax:
 
     @staticmethod
     def encode(absmax: np.ndarray) -> NestedAbsmax:
-        codes, absmax2, offset = _core.double_quantize(np.ascontiguousarray(absmax, np.float32))
+        (codes, absmax2), offset = _core.double_quantize(np.ascontiguousarray(absmax, np.float32))
         return NestedAbsmax(codes, absmax2, float(offset))
 
 
