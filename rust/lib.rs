@@ -8,6 +8,9 @@ pub mod double_quant;
 pub mod element;
 pub mod error;
 pub mod layout;
+pub mod linalg;
+pub mod lora;
+pub mod qmatmul;
 pub mod simd;
 
 #[cfg(feature = "python")]

@@ -3,12 +3,17 @@
 
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
-use numpy::{IntoPyArray, PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{
+    IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1, PyReadwriteArray2,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::codebook::Format;
 use crate::error::Error;
+use crate::linalg::{self, MatMut, MatRef};
+use crate::lora::{self, Weight};
+use crate::qmatmul::{self, QuantizedMatrix};
 use crate::{codec, double_quant, layout};
 
 impl From<Error> for PyErr {
@@ -165,6 +170,161 @@ fn from_blocks36<'py>(
     Ok(into_pair(py, codec::Quantized { codes, absmax }))
 }
 
+/// A read-only strided view of a 2-D array (strides in elements, non-negative).
+fn mat_ref<'a>(a: &'a PyReadonlyArray2<'_, f32>, what: &str) -> PyResult<MatRef<'a>> {
+    let v = a.as_array();
+    let (rows, cols) = v.dim();
+    let (rs, cs) = (v.strides()[0], v.strides()[1]);
+    if rs < 0 || cs < 0 {
+        return Err(PyValueError::new_err(format!(
+            "{what} has negative strides"
+        )));
+    }
+    let extent = if rows * cols == 0 {
+        0
+    } else {
+        (rows - 1) * rs as usize + (cols - 1) * cs as usize + 1
+    };
+    // SAFETY: every element of the view lies in `[ptr, ptr + extent)`, all inside the one
+    // buffer numpy allocated for the array's base, which stays borrowed for `'a`.
+    let data = unsafe { std::slice::from_raw_parts(v.as_ptr(), extent) };
+    Ok(MatRef {
+        data,
+        rows,
+        cols,
+        row_stride: rs,
+        col_stride: cs,
+        offset: 0,
+    })
+}
+
+/// A writable C-contiguous 2-D array.
+fn mat_mut<'a>(a: &'a mut PyReadwriteArray2<'_, f32>) -> PyResult<MatMut<'a>> {
+    let (rows, cols) = a.as_array().dim();
+    let data = a
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    Ok(MatMut::row_major(data, rows, cols))
+}
+
+/// `out = alpha * a @ b` (or `out += ...` when `accumulate`), f32, any input strides.
+#[pyfunction]
+#[pyo3(signature = (a, b, out, alpha = 1.0, accumulate = false))]
+fn matmul<'py>(
+    py: Python<'py>,
+    a: PyReadonlyArray2<'py, f32>,
+    b: PyReadonlyArray2<'py, f32>,
+    mut out: PyReadwriteArray2<'py, f32>,
+    alpha: f32,
+    accumulate: bool,
+) -> PyResult<()> {
+    let (a, b) = (mat_ref(&a, "a")?, mat_ref(&b, "b")?);
+    let mut c = mat_mut(&mut out)?;
+    py.detach(|| linalg::matmul(&mut c, a, b, alpha, accumulate))?;
+    Ok(())
+}
+
+/// A quantized weight [rows, cols] as the core sees it.
+fn quantized<'a>(
+    codes: &'a PyReadonlyArray1<'_, u8>,
+    absmax: &'a PyReadonlyArray1<'_, f32>,
+    shape: (usize, usize),
+    blocksize: usize,
+    codebook: &str,
+) -> PyResult<QuantizedMatrix<'a>> {
+    Ok(QuantizedMatrix {
+        codes: slice(codes, "codes")?,
+        absmax: slice(absmax, "absmax")?,
+        rows: shape.0,
+        cols: shape.1,
+        blocksize,
+        format: parse_format(codebook)?,
+    })
+}
+
+/// `out = alpha * x @ W^T` for a quantized W of `shape` [rows, cols], dequantized in tiles.
+#[pyfunction]
+#[pyo3(signature = (x, codes, absmax, shape, blocksize, codebook, out, alpha = 1.0, accumulate = false))]
+#[allow(clippy::too_many_arguments)]
+fn qmatmul_wt<'py>(
+    py: Python<'py>,
+    x: PyReadonlyArray2<'py, f32>,
+    codes: PyReadonlyArray1<'py, u8>,
+    absmax: PyReadonlyArray1<'py, f32>,
+    shape: (usize, usize),
+    blocksize: usize,
+    codebook: &str,
+    mut out: PyReadwriteArray2<'py, f32>,
+    alpha: f32,
+    accumulate: bool,
+) -> PyResult<()> {
+    let w = quantized(&codes, &absmax, shape, blocksize, codebook)?;
+    let x = mat_ref(&x, "x")?;
+    let mut y = mat_mut(&mut out)?;
+    py.detach(|| qmatmul::matmul_wt(&mut y, x, &w, alpha, accumulate))?;
+    Ok(())
+}
+
+/// `out = alpha * dy @ W` for a quantized W of `shape` [rows, cols], dequantized in tiles.
+#[pyfunction]
+#[pyo3(signature = (dy, codes, absmax, shape, blocksize, codebook, out, alpha = 1.0, accumulate = false))]
+#[allow(clippy::too_many_arguments)]
+fn qmatmul_w<'py>(
+    py: Python<'py>,
+    dy: PyReadonlyArray2<'py, f32>,
+    codes: PyReadonlyArray1<'py, u8>,
+    absmax: PyReadonlyArray1<'py, f32>,
+    shape: (usize, usize),
+    blocksize: usize,
+    codebook: &str,
+    mut out: PyReadwriteArray2<'py, f32>,
+    alpha: f32,
+    accumulate: bool,
+) -> PyResult<()> {
+    let w = quantized(&codes, &absmax, shape, blocksize, codebook)?;
+    let dy = mat_ref(&dy, "dy")?;
+    let mut dx = mat_mut(&mut out)?;
+    py.detach(|| qmatmul::matmul_w(&mut dx, dy, &w, alpha, accumulate))?;
+    Ok(())
+}
+
+/// DoRA: `||W[i] + scale * (B @ A)[i]||` per row of a dense W.
+#[pyfunction]
+fn dora_row_norms_dense<'py>(
+    py: Python<'py>,
+    w: PyReadonlyArray2<'py, f32>,
+    b: PyReadonlyArray2<'py, f32>,
+    a: PyReadonlyArray2<'py, f32>,
+    scale: f32,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let w = Weight::Dense(mat_ref(&w, "w")?);
+    let (b, a) = (mat_ref(&b, "b")?, mat_ref(&a, "a")?);
+    Ok(py
+        .detach(|| lora::dora_row_norms(&w, b, a, scale))?
+        .into_pyarray(py))
+}
+
+/// DoRA: `||W[i] + scale * (B @ A)[i]||` per row of a quantized W, dequantized in tiles.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn dora_row_norms_quantized<'py>(
+    py: Python<'py>,
+    codes: PyReadonlyArray1<'py, u8>,
+    absmax: PyReadonlyArray1<'py, f32>,
+    shape: (usize, usize),
+    blocksize: usize,
+    codebook: &str,
+    b: PyReadonlyArray2<'py, f32>,
+    a: PyReadonlyArray2<'py, f32>,
+    scale: f32,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let w = Weight::Quantized(quantized(&codes, &absmax, shape, blocksize, codebook)?);
+    let (b, a) = (mat_ref(&b, "b")?, mat_ref(&a, "a")?);
+    Ok(py
+        .detach(|| lora::dora_row_norms(&w, b, a, scale))?
+        .into_pyarray(py))
+}
+
 /// Double-quantizes per-block scales -> (codes, absmax2, offset).
 #[pyfunction]
 fn double_quantize<'py>(
@@ -228,6 +388,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequantize_into, m)?)?;
     m.add_function(wrap_pyfunction!(to_blocks36, m)?)?;
     m.add_function(wrap_pyfunction!(from_blocks36, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(qmatmul_wt, m)?)?;
+    m.add_function(wrap_pyfunction!(qmatmul_w, m)?)?;
+    m.add_function(wrap_pyfunction!(dora_row_norms_dense, m)?)?;
+    m.add_function(wrap_pyfunction!(dora_row_norms_quantized, m)?)?;
     m.add_function(wrap_pyfunction!(double_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(double_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(codebook_values, m)?)?;

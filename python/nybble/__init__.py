@@ -6,13 +6,19 @@ numpy in -> numpy out (the Rust core, on the CPU); CuPy in -> CuPy out (CUDA ker
 
 from . import reference
 from .errors import FormatError
+from .lora import AdamW, LoraAdapter, LoraConfig, LoraLinear, QLoraLinear
 from .tensor import NF4Tensor, dequantize, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW",
     "FormatError",
+    "LoraAdapter",
+    "LoraConfig",
+    "LoraLinear",
     "NF4Tensor",
+    "QLoraLinear",
     "dequantize",
     "quantize",
     "reference",

@@ -27,3 +27,37 @@ def codebook_values(codebook: str) -> list[float]: ...
 def simd_level() -> str: ...
 def kernel_sources() -> dict[str, str]: ...
 def _panic(message: str) -> None: ...
+def matmul(a: F32, b: F32, out: F32, alpha: float = 1.0, accumulate: bool = False) -> None: ...
+def qmatmul_wt(
+    x: F32,
+    codes: U8,
+    absmax: F32,
+    shape: tuple[int, int],
+    blocksize: int,
+    codebook: str,
+    out: F32,
+    alpha: float = 1.0,
+    accumulate: bool = False,
+) -> None: ...
+def qmatmul_w(
+    dy: F32,
+    codes: U8,
+    absmax: F32,
+    shape: tuple[int, int],
+    blocksize: int,
+    codebook: str,
+    out: F32,
+    alpha: float = 1.0,
+    accumulate: bool = False,
+) -> None: ...
+def dora_row_norms_dense(w: F32, b: F32, a: F32, scale: float) -> F32: ...
+def dora_row_norms_quantized(
+    codes: U8,
+    absmax: F32,
+    shape: tuple[int, int],
+    blocksize: int,
+    codebook: str,
+    b: F32,
+    a: F32,
+    scale: float,
+) -> F32: ...

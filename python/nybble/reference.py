@@ -170,9 +170,9 @@ def quantize(x: F32, blocksize: int = 64, codebook: str = "nf4") -> tuple[U8, F3
         raise ValueError(f"input has a non-finite value (NaN or inf) at flat index {bad}")
     n = x.size
     nblocks = -(-n // blocksize)
-    blocks = np.zeros(nblocks * blocksize, dtype=np.float32)
-    blocks[:n] = x  # the padding of a partial last block is 0 and changes no absmax
-    blocks = blocks.reshape(nblocks, blocksize)
+    padded = np.zeros(nblocks * blocksize, dtype=np.float32)
+    padded[:n] = x  # the padding of a partial last block is 0 and changes no absmax
+    blocks = padded.reshape(nblocks, blocksize)
     absmax = np.abs(blocks).max(axis=1) if n else np.zeros(0, np.float32)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inverse = np.float32(1) / absmax  # the reciprocal in float32, as bitsandbytes
@@ -239,3 +239,101 @@ def from_blocks(buf: U8, n: int) -> tuple[U8, F32]:
     absmax = blocks[:, :4].copy().view("<f4").ravel().astype(np.float32)
     codes = blocks[:, 4:].ravel()[: -(-n // 2)].copy()
     return codes, absmax
+
+
+# --- LoRA / DoRA (float64, PEFT's conventions: W [out, in], A [r, in], B [out, r]) -------
+
+
+def lora_scaling(r: int, alpha: float, use_rslora: bool = False) -> float:
+    """alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return float(alpha / np.sqrt(r)) if use_rslora else float(alpha / r)
+
+
+def dora_row_norms(W: np.ndarray, A: np.ndarray, B: np.ndarray, scaling: float) -> np.ndarray:
+    """||W + s·B·A|| of each output row (DoRA's denominator, treated as a constant)."""
+    return np.linalg.norm(W + scaling * (B @ A), axis=1)
+
+
+def lora_forward(
+    x: np.ndarray,
+    W: np.ndarray,
+    A: np.ndarray,
+    B: np.ndarray,
+    scaling: float,
+    bias: np.ndarray | None = None,
+    magnitude: np.ndarray | None = None,
+    keep: np.ndarray | None = None,
+) -> np.ndarray:
+    """y = x Wᵀ + s·(x_d Aᵀ) Bᵀ (+ bias), with x_d = x * keep (dropout: keep is mask / (1-p)).
+
+    DoRA (magnitude m given, g = m / ||W + sBA||_row): y = x Wᵀ + (g-1)·(x_d Wᵀ) + g·s·(x_d Aᵀ Bᵀ),
+    which without dropout is x (g·(W + sBA))ᵀ.
+    """
+    xd = x if keep is None else x * keep
+    lora = scaling * (xd @ A.T) @ B.T
+    y = x @ W.T
+    if magnitude is None:
+        y = y + lora
+    else:
+        g = magnitude / dora_row_norms(W, A, B, scaling)
+        y = y + (g - 1) * (xd @ W.T) + g * lora
+    return y if bias is None else y + bias
+
+
+def lora_backward(
+    grad_y: np.ndarray,
+    x: np.ndarray,
+    W: np.ndarray,
+    A: np.ndarray,
+    B: np.ndarray,
+    scaling: float,
+    magnitude: np.ndarray | None = None,
+    keep: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Gradients of `lora_forward` with respect to x, A, B (and the DoRA magnitude), W frozen."""
+    xd = x if keep is None else x * keep
+    k = np.ones_like(x) if keep is None else keep
+    if magnitude is None:
+        g = np.ones(W.shape[0])
+        grad_m = None
+    else:
+        norms = dora_row_norms(W, A, B, scaling)
+        g = magnitude / norms
+        grad_m = (grad_y * (xd @ W.T + scaling * (xd @ A.T) @ B.T)).sum(axis=0) / norms
+    dyg = grad_y * g
+    grad_b = scaling * dyg.T @ (xd @ A.T)
+    grad_h = scaling * dyg @ B
+    grad_a = grad_h.T @ xd
+    grad_x = grad_y @ W + (grad_y * (g - 1) @ W + grad_h @ A) * k
+    return grad_x, grad_a, grad_b, grad_m
+
+
+def lora_merge(
+    W: np.ndarray, A: np.ndarray, B: np.ndarray, scaling: float, magnitude: np.ndarray | None = None
+) -> np.ndarray:
+    """The merged weight: W + s·B·A, or with DoRA m · (W + s·B·A) / ||W + s·B·A||_row."""
+    merged = W + scaling * (B @ A)
+    if magnitude is None:
+        return merged
+    return (magnitude / np.linalg.norm(merged, axis=1))[:, None] * merged
+
+
+def adamw_step(
+    param: np.ndarray,
+    grad: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    t: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One AdamW step (decoupled weight decay, bias-corrected moments); t counts from 1."""
+    b1, b2 = betas
+    param = param * (1 - lr * weight_decay)
+    m = b1 * m + (1 - b1) * grad
+    v = b2 * v + (1 - b2) * grad * grad
+    m_hat = m / (1 - b1**t)
+    v_hat = v / (1 - b2**t)
+    return param - lr * m_hat / (np.sqrt(v_hat) + eps), m, v

@@ -104,7 +104,7 @@ class NF4Tensor:
                 f"{self.blocksize}, got {tuple(scales.shape)}"
             )
         self.codes = codes
-        self._absmax = absmax if nested is None else None
+        self._absmax: Any = absmax if nested is None else None
         self.nested = nested
 
     # --- properties ---------------------------------------------------------------------
@@ -135,8 +135,9 @@ class NF4Tensor:
     @property
     def nbytes(self) -> int:
         """Bytes of codes plus scales (plus the nested state under double quantization)."""
-        scales = self.nested.nbytes if self.nested is not None else self._absmax.nbytes
-        return int(self.codes.nbytes + scales)
+        if self.nested is not None:
+            return int(self.codes.nbytes + self.nested.nbytes)
+        return int(self.codes.nbytes + self._absmax.nbytes)
 
     def __repr__(self) -> str:
         dq = ", double_quant=True" if self.double_quant else ""

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import Any
+
+from .._files import atomic_write
+
+__all__ = ["CliError", "atomic_write", "format_table", "print_json"]
 
 
 class CliError(Exception):
@@ -44,21 +44,3 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     out = [line(cells[0], headers), "  ".join("-" * w for w in widths)]
     out += [line(cells[i + 1], row) for i, row in enumerate(rows)]
     return "\n".join(out)
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
-    """Writes to a temporary file beside `path` and renames it into place on success, so an
-    interrupted run leaves either nothing or the complete file."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
