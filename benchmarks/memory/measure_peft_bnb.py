@@ -163,16 +163,23 @@ ARCHS: dict[str, dict[str, Any]] = {
     ),
 }
 
-#: Layers written to the checkpoint of each architecture (a config may load fewer).
-CHECKPOINT_LAYERS = {
-    "qwen3-0.6b": 28,
-    "qwen3-4b": 36,
-    "llama-3.2-1b": 16,
-    "llama-3.1-8b": 8,
-    "mistral-7b": 8,
-    "llama-2-7b": 4,
-    "tiny": 2,
-}
+#: Checkpoints to write, smallest first: (architecture, layers). A config loads the first
+#: `layers` layers of the smallest checkpoint of its architecture that has enough of them.
+CHECKPOINTS = [
+    ("tiny", 2),
+    ("qwen3-0.6b", 28),
+    ("mistral-7b", 8),
+    ("llama-3.2-1b", 16),
+    ("qwen3-4b", 8),
+    ("llama-2-7b", 4),
+    ("llama-3.1-8b", 8),
+    ("qwen3-4b", 36),
+]
+
+
+def checkpoint_name(arch: str, layers: int) -> str:
+    depth = min(n for a, n in CHECKPOINTS if a == arch and n >= layers)
+    return f"{arch}-L{depth}"
 
 
 def config_matrix() -> list[dict[str, Any]]:
@@ -203,6 +210,9 @@ def config_matrix() -> list[dict[str, Any]]:
     ]
     for arch, layers, b, s, gc in extra:
         out.append(dict(arch=arch, layers=layers, batch=b, seq=s, gc=gc))
+    # Other recipe knobs, on one small model: LoRA dropout, 8-bit AdamW, a larger rank.
+    base = dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True)
+    out += [dict(base, dropout=0.05), dict(base, optim="adamw8bit"), dict(base, r=64)]
     return out
 
 
@@ -241,17 +251,17 @@ def hf_config(arch: str, layers: int) -> Any:
     return AutoConfig.for_model(model_type, **fields)
 
 
-def write_checkpoint(arch: str, root: Path) -> Path:
+def write_checkpoint(arch: str, layers: int, root: Path) -> Path:
     """A bf16 checkpoint with random weights (N(0, 0.02) drawn from a shared pool), norms at 1."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    path = root / arch
+    path = root / f"{arch}-L{layers}"
     if (path / "done").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(arch, CHECKPOINT_LAYERS[arch])
+    cfg = hf_config(arch, layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
@@ -275,11 +285,11 @@ def write_checkpoint(arch: str, root: Path) -> Path:
     return path
 
 
-def checkpoint_worker(archs: list[str], root: str) -> None:
-    for arch in archs:
+def checkpoint_worker(wanted: list[tuple[str, int]], root: str) -> None:
+    for arch, layers in wanted:
         t0 = time.time()
-        write_checkpoint(arch, Path(root))
-        print(f"[ckpt] {arch} written in {time.time() - t0:.1f}s", flush=True)
+        write_checkpoint(arch, layers, Path(root))
+        print(f"[ckpt] {arch}-L{layers} written in {time.time() - t0:.1f}s", flush=True)
 
 
 # --- one configuration, in its own process -----------------------------------------------
@@ -349,7 +359,7 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-    path = root / c["arch"]
+    path = root / checkpoint_name(c["arch"], c["layers"])
     cfg = AutoConfig.from_pretrained(str(path))
     cfg.num_hidden_layers = c["layers"]
     if getattr(cfg, "layer_types", None):
@@ -378,8 +388,13 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
     mem("after_load")
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=c["gc"])
     mem("after_prepare")
+    r = c.get("r", 16)
     lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        r=r,
+        lora_alpha=2 * r,
+        lora_dropout=c.get("dropout", 0.0),
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
     mem("after_peft")
@@ -388,7 +403,12 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
     rec["attn_implementation"] = model.config._attn_implementation
     rec["gc_active"] = bool(getattr(model.base_model.model, "is_gradient_checkpointing", False))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    if c.get("optim", "adamw") == "adamw8bit":
+        import bitsandbytes
+
+        opt: Any = bitsandbytes.optim.AdamW8bit(params, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4)
 
     dev = "cuda" if cuda else "cpu"
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -399,43 +419,64 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
         h = cfg.num_attention_heads
         kv = cfg.num_key_value_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-        q = torch.empty(1, h, 64, d, device="cuda")
-        k = torch.empty(1, kv, 64, d, device="cuda")
-        rec["sdpa_choice_fp32"] = int(
-            torch._fused_sdp_choice(q, k, k, None, 0.0, True, None, kv != h)
-        )
-        del q, k
+        for dt in (torch.float32, torch.bfloat16):
+            try:
+                q = torch.empty(1, h, 64, d, device="cuda", dtype=dt, requires_grad=True)
+                k = torch.empty(1, kv, 64, d, device="cuda", dtype=dt, requires_grad=True)
+                choice = int(torch._fused_sdp_choice(q, k, k, None, 0.0, True, None, kv != h))
+                rec[f"sdpa_choice_{str(dt)[6:]}"] = SDPA_NAMES.get(choice, str(choice))
+                del q, k
+            except Exception as e:
+                rec[f"sdpa_choice_{str(dt)[6:]}"] = f"probe failed: {e}"
 
     for step in (1, 2, 3):
+        # Step 2 is the measured step: one reset, peaks over forward + backward + optimizer.
+        # Step 3 repeats it with the peak counters reset per phase, to see where the peak is.
+        phases: dict[str, Any] = {}
+
+        def phase(name: str, phases: dict[str, Any] = phases, step: int = step) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                phases[name] = dict(
+                    allocated=torch.cuda.memory_allocated(),
+                    reserved=torch.cuda.memory_reserved(),
+                    peak_allocated=torch.cuda.max_memory_allocated(),
+                )
+                if step == 3:
+                    torch.cuda.reset_peak_memory_stats()
+
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+        phase("start")
         loss = model(**batch).loss
-        if cuda:
-            torch.cuda.synchronize()
-            after_fwd = torch.cuda.memory_allocated()
+        phase("forward")
         loss.backward()
-        if cuda:
-            torch.cuda.synchronize()
-            after_bwd = torch.cuda.memory_allocated()
+        phase("backward")
         opt.step()
+        phase("optimizer")
         opt.zero_grad(set_to_none=True)
         rec[f"loss{step}"] = float(loss.detach())
         del loss
+        phase("end")
         if cuda:
-            torch.cuda.synchronize()
             stats = torch.cuda.memory_stats()
             rec[f"step{step}"] = dict(
-                allocated_before=before,
-                allocated_after_forward=after_fwd,
-                allocated_after_backward=after_bwd,
-                allocated_end=torch.cuda.memory_allocated(),
-                reserved_end=torch.cuda.memory_reserved(),
-                peak_allocated=torch.cuda.max_memory_allocated(),
+                phases=phases,
+                peak_allocated=max(p["peak_allocated"] for p in phases.values()),
                 peak_reserved=torch.cuda.max_memory_reserved(),
                 alloc_retries=stats.get("num_alloc_retries", 0),
                 ooms=stats.get("num_ooms", 0),
+                allocator={
+                    k: stats.get(k, 0)
+                    for k in (
+                        "reserved_bytes.large_pool.current",
+                        "reserved_bytes.small_pool.current",
+                        "inactive_split_bytes.all.peak",
+                        "segment.all.current",
+                        "allocation.all.peak",
+                    )
+                },
             )
     if cuda:
         rec["nvml_process_end"] = nvml_process_bytes(pid)
@@ -443,7 +484,42 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
     return rec
 
 
+SDPA_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def context_probe(result_path: str) -> None:
+    """CUDA context alone: NVML per process and device-level delta, nothing else running."""
+    import torch
+
+    used0 = nvml_device_used()
+    torch.cuda.init()
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize()
+    rec = dict(
+        probe="context",
+        context_bytes=nvml_process_bytes(os.getpid()),
+        device_used_delta=None if used0 is None else (nvml_device_used() or 0) - used0,
+        device_name=torch.cuda.get_device_name(0),
+        device_total=torch.cuda.get_device_properties(0).total_memory,
+    )
+    with open(result_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 # --- the scheduler -----------------------------------------------------------------------
+
+
+def _needs_rerun(result_path: Path, c: dict[str, Any]) -> bool:
+    """An OOM or allocator retry while sharing the GPU: measure it again, alone."""
+    if not result_path.exists():
+        return False
+    keys = ("arch", "layers", "batch", "seq", "gc", "r", "dropout", "optim")
+    for line in reversed(result_path.read_text().splitlines()):
+        rec = json.loads(line)
+        if all(rec.get(k) == c.get(k) for k in keys):
+            retries = rec.get("step2", {}).get("alloc_retries", 0)
+            return bool("OutOfMemory" in rec.get("error", "") or retries)
+    return False
 
 
 def main() -> int:
@@ -451,7 +527,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/memory/results")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting runs after this")
     ap.add_argument("--gpu-budget-gib", type=float, default=72.0)
-    ap.add_argument("--max-parallel", type=int, default=3)
+    ap.add_argument("--max-parallel", type=int, default=4)
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--only", default=None, help="comma-separated architectures")
     ap.add_argument("--smoke", action="store_true", help="two tiny configs on the CPU")
@@ -462,10 +538,6 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     result_path = out / "measured.jsonl"
     device = "cpu" if args.smoke else "cuda"
-
-    import peft
-    import torch
-    import transformers
 
     configs = config_matrix()
     if args.smoke:
@@ -479,17 +551,21 @@ def main() -> int:
     else:
         shm = Path("/dev/shm")
         free = shutil.disk_usage(shm).free if shm.exists() else 0
-        root = shm / "nybble-ckpt" if free > 40 * 2**30 else Path("/tmp/nybble-ckpt")
+        root = shm / "nybble-ckpt" if free > 32 * 2**30 else Path("/tmp/nybble-ckpt")
     root.mkdir(parents=True, exist_ok=True)
 
-    env = dict(
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        peft=peft.__version__,
-        python=sys.version.split()[0],
-        ckpt_root=str(root),
-        n_configs=len(configs),
+    from importlib.metadata import version
+
+    # The parent imports no torch/transformers/peft: on the GPU machine one of those imports
+    # initialises CUDA, after which forking is unsafe. Each child imports them itself.
+    env: dict[str, Any] = dict(
+        python=sys.version.split()[0], ckpt_root=str(root), n_configs=len(configs)
     )
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
+        try:
+            env[pkg] = version(pkg)
+        except Exception as e:
+            env[pkg] = f"not found: {e}"
     if not args.smoke:
         import subprocess
 
@@ -498,23 +574,16 @@ def main() -> int:
             capture_output=True,
             text=True,
         ).stdout.strip()
-    try:
-        from importlib.metadata import version
-
-        env["bitsandbytes"] = version("bitsandbytes")  # not imported here: it initialises CUDA
-    except Exception as e:
-        env["bitsandbytes"] = f"not found: {e}"
     (out / "environment.json").write_text(json.dumps(env, indent=2))
     print(json.dumps(env), flush=True)
-    if not args.smoke and torch.cuda.is_initialized():
-        print("CUDA was initialised in the parent; cannot fork safely", flush=True)
-        return 1
 
     ctx = mp.get_context("fork")
-    order: list[str] = []
-    for c in configs:
-        if c["arch"] not in order:
-            order.append(c["arch"])
+    names = {checkpoint_name(c["arch"], c["layers"]) for c in configs}
+    order = [(a, n) for a, n in CHECKPOINTS if f"{a}-L{n}" in names]
+    if not args.smoke:
+        probe = ctx.Process(target=context_probe, args=(str(out / "context.jsonl"),))
+        probe.start()
+        probe.join()
     ck = ctx.Process(target=checkpoint_worker, args=(order, str(root)))
     ck.start()
 
@@ -529,6 +598,8 @@ def main() -> int:
                 proc.join()
                 running.remove(item)
                 print(f"[{now:6.1f}s] done {c} rc={proc.exitcode}", flush=True)
+                if not c.get("exclusive") and _needs_rerun(result_path, c):
+                    pending.insert(0, dict(c, exclusive=True))
         if now > args.budget_s:
             if pending:
                 print(
@@ -541,11 +612,13 @@ def main() -> int:
         for c in list(pending):
             if len(running) >= args.max_parallel:
                 break
-            if not (root / c["arch"] / "done").exists():
+            if not (root / checkpoint_name(c["arch"], c["layers"]) / "done").exists():
                 continue
             need = rough_peak_bytes(c)
-            if running and in_use + need > budget:
+            if running and (in_use + need > budget or c.get("exclusive")):
                 continue
+            if any(r[1].get("exclusive") for r in running):
+                break
             proc = ctx.Process(target=run_config, args=(c, str(root), device, str(result_path)))
             proc.start()
             running.append((proc, c, need))
@@ -563,7 +636,35 @@ def main() -> int:
     if ck.is_alive():
         ck.kill()
     print(f"finished in {time.time() - t_start:.1f}s", flush=True)
+    print_summary(result_path)
     return 0
+
+
+def print_summary(result_path: Path) -> None:
+    if not result_path.exists():
+        return
+    gib = 2**30
+    for line in result_path.read_text().splitlines():
+        r = json.loads(line)
+        head = f"{r['arch']:>13} L{r['layers']:<2} b{r['batch']} s{r['seq']:<5} gc={int(r['gc'])}"
+        head += "".join(f" {k}={r[k]}" for k in ("r", "dropout", "optim") if k in r)
+        if "error" in r or "step2" not in r:
+            print(head, "ERROR", r.get("error", "no step2"))
+            continue
+        s2, s3 = r["step2"], r["step3"]
+        ph = {k: round(v["peak_allocated"] / gib, 3) for k, v in s3["phases"].items()}
+        print(
+            head,
+            f"total {r['measured_total'] / gib:.3f}",
+            f"res {s2['peak_reserved'] / gib:.3f}",
+            f"alloc {s2['peak_allocated'] / gib:.3f}",
+            f"ctx {(r.get('context_bytes') or 0) / 2**20:.0f}M",
+            f"s3res {s3['peak_reserved'] / gib:.3f}",
+            f"retry {s2['alloc_retries']}",
+            f"sdpa {r.get('sdpa_choice_float32')}",
+            f"ph {ph}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
