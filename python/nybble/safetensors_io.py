@@ -158,7 +158,8 @@ def save(
     metadata: Mapping[str, str] | None = None,
 ) -> None:
     """Writes a safetensors file atomically (a temp file renamed into place)."""
-    arrays = {k: np.ascontiguousarray(_little_endian(v)) for k, v in tensors.items()}
+    # np.ascontiguousarray would turn a 0-d tensor into shape (1,); np.require keeps it.
+    arrays = {k: np.require(_little_endian(v), requirements="C") for k, v in tensors.items()}
     with atomic_write(path) as f:
         f.write(_header(arrays, metadata))
         for a in arrays.values():
