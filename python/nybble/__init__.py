@@ -4,9 +4,10 @@ numpy in -> numpy out (the Rust core, on the CPU); CuPy in -> CuPy out (CUDA ker
 `nybble.reference` is the pure-numpy oracle that states the math.
 """
 
-from . import reference
+from . import bnb, reference
 from .errors import FormatError
 from .lora import AdamW, LoraAdapter, LoraConfig, LoraLinear, QLoraLinear
+from .memory import estimate_memory
 from .tensor import NF4Tensor, dequantize, quantize
 
 __version__ = "0.1.0"
@@ -20,6 +21,8 @@ __all__ = [
     "NF4Tensor",
     "QLoraLinear",
     "dequantize",
+    "estimate_memory",
     "quantize",
+    "bnb",
     "reference",
 ]
