@@ -9,11 +9,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import demo
+from . import demo, estimate
 from ._common import CliError
 
 #: Each module has `register(subparsers)`, which adds its subcommands with `func` set.
-COMMAND_MODULES = [demo]
+COMMAND_MODULES = [demo, estimate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,398 @@
+"""The memory-budget estimator (SPEC §5): architecture facts, codec sizes, the search, the
+framework registry, bad input, and the committed H100 measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import nybble
+import pytest
+from nybble.memory import (
+    BREAKDOWN_KEYS,
+    MODEL_PRESETS,
+    Architecture,
+    Footprint,
+    FrameworkModel,
+    Phase,
+    TrainingSetup,
+    codec_nbytes,
+    estimate_memory,
+    parse_size,
+    register_framework,
+    resolve_model,
+    stored_weight,
+)
+from nybble.memory.frameworks import FRAMEWORKS, PeftBnb, blk
+from nybble.memory.presets import GiB, MiB
+
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "memory" / "results"
+
+
+# --- fixture facts of SPEC §5 ------------------------------------------------------------
+
+
+def test_qwen3_4b_parameter_counts() -> None:
+    a = resolve_model("qwen3-4b")
+    assert a.num_parameters == 4_022_468_096
+    assert a.lora_parameters(16, nybble.memory.PROJECTIONS) == 33_030_144
+    assert a.head_dim == 128 and a.q_dim == 4096 and a.hidden_size == 2560  # explicit head_dim
+    assert a.tie_word_embeddings and a.lm_head_params == 0
+
+
+def test_llama_31_8b_parameter_counts() -> None:
+    a = resolve_model("llama-3.1-8b")
+    assert a.num_parameters == 8_030_261_248
+    assert a.lora_parameters(16, nybble.memory.PROJECTIONS) == 41_943_040
+    assert not a.tie_word_embeddings and a.lm_head_params == a.embedding_params
+
+
+def test_estimate_reports_the_same_counts() -> None:
+    d = estimate_memory("qwen3-4b").to_dict()
+    assert d["parameters"] == 4_022_468_096
+    assert d["lora_parameters"] == 33_030_144
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_every_preset_estimates(name: str) -> None:
+    est = estimate_memory(name, seq_len=512)
+    assert est.total_bytes > 0
+    assert set(est.breakdown) == set(BREAKDOWN_KEYS)
+
+
+def test_gqa_and_tied_embeddings_change_the_figures() -> None:
+    base = dict(MODEL_PRESETS["llama-3.1-8b"], num_hidden_layers=2)
+    mha = dict(base, num_key_value_heads=32)
+    tied = dict(base, tie_word_embeddings=True)
+    a, m, t = (resolve_model(c) for c in (base, mha, tied))
+    assert a.is_gqa and not m.is_gqa
+    assert m.num_parameters - a.num_parameters == 2 * 2 * 4096 * (4096 - 1024)
+    assert a.num_parameters - t.num_parameters == 128256 * 4096
+    e_a, e_t = estimate_memory(base), estimate_memory(tied)
+    assert e_a.breakdown["unquantized_weights"] - e_t.breakdown["unquantized_weights"] == blk(
+        4 * 128256 * 4096
+    )
+
+
+# --- the per-layer NF4 figures agree with what the codec allocates -------------------------
+
+QWEN3_4B_LAYER = resolve_model("qwen3-4b").linear_shapes()
+
+
+@pytest.mark.parametrize("blocksize", [64, 256])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("name", ["k_proj", "o_proj", "down_proj"])
+def test_nf4_layer_bytes_equal_the_codec(name: str, blocksize: int, double_quant: bool) -> None:
+    shape = QWEN3_4B_LAYER[name]
+    q = nybble.quantize(np.zeros(shape, np.float32), blocksize=blocksize, double_quant=double_quant)
+    n = math.prod(shape)
+    assert codec_nbytes(n, "nf4", blocksize, double_quant) == q.nbytes
+    w = stored_weight(n, "nf4", blocksize, double_quant)
+    assert w.codes == q.codes.nbytes
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 64 * 256, 64 * 256 + 1, 64 * 300])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("codebook", ["nf4", "fp4", "int8"])
+def test_odd_sizes_equal_the_codec(n: int, double_quant: bool, codebook: str) -> None:
+    q = nybble.quantize(
+        np.zeros(n, np.float32), blocksize=64, double_quant=double_quant, codebook=codebook
+    )
+    assert codec_nbytes(n, codebook, 64, double_quant) == q.nbytes
+
+
+def test_qwen3_4b_layer_is_under_60_mb_as_nf4() -> None:
+    total = sum(codec_nbytes(o * i, "nf4", 64) for o, i in QWEN3_4B_LAYER.values())
+    assert total < 60e6
+
+
+def test_framework_weight_storage_is_the_codec_plus_bnb_tables() -> None:
+    setup = TrainingSetup.create("qwen3-4b")
+    w = PeftBnb().weights(setup)
+    layers = setup.arch.num_layers
+    codec_codes = layers * sum(
+        stored_weight(o * i, "nf4", 64, True).codes for o, i in QWEN3_4B_LAYER.values()
+    )
+    codec_consts = layers * sum(
+        stored_weight(o * i, "nf4", 64, True).constants for o, i in QWEN3_4B_LAYER.values()
+    )
+    assert w["quantized_weights"] == codec_codes  # every code buffer is a multiple of 512
+    # bitsandbytes keeps its code tables (16 + 256 floats) per layer; blocks round to 512 B
+    assert codec_consts < w["quant_constants"] <= codec_consts + layers * 7 * 5 * 512 + 7 * 1024
+
+
+def test_formats_order_by_size() -> None:
+    sizes = {
+        q: estimate_memory("llama-3.1-8b", quant=q, seq_len=256).breakdown
+        for q in ("nf4", "int8", "bf16")
+    }
+
+    def base(b: dict[str, int]) -> int:
+        return b["quantized_weights"] + b["quant_constants"]
+
+    assert base(sizes["nf4"]) < base(sizes["int8"])
+    assert sizes["bf16"]["quantized_weights"] == 0
+    assert sizes["bf16"]["unquantized_weights"] > base(sizes["int8"])
+
+
+# --- the estimate object ----------------------------------------------------------------
+
+
+def test_total_is_the_sum_of_the_breakdown() -> None:
+    est = estimate_memory("llama-3.2-1b", batch=2, seq_len=1024)
+    assert sum(est.breakdown.values()) == est.total_bytes
+    assert est.allocated_peak_bytes <= est.reserved_peak_bytes
+    assert est.reserved_peak_bytes + est.context_bytes == est.total_bytes
+    assert est.peak_phase in est.phases
+    assert max(est.phases.values()) == est.total_bytes
+
+
+def test_memory_grows_with_batch_and_seq_len() -> None:
+    totals = [estimate_memory("qwen3-0.6b", batch=b).total_bytes for b in (1, 2, 4)]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+    totals = [estimate_memory("qwen3-0.6b", seq_len=n).total_bytes for n in (256, 1024, 4096)]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+def test_checkpointing_saves_memory_at_long_sequences() -> None:
+    on = estimate_memory("llama-3.1-8b", seq_len=4096)
+    off = estimate_memory("llama-3.1-8b", seq_len=4096, grad_checkpointing=False)
+    assert on.total_bytes < off.total_bytes
+    assert on.breakdown["activations"] < off.breakdown["activations"]
+
+
+def test_math_attention_is_quadratic_for_gqa_and_not_for_mha() -> None:
+    def act(preset: dict[str, object], n: int) -> int:
+        return estimate_memory(preset, seq_len=n, grad_checkpointing=False).allocated_peak_bytes
+
+    gqa = dict(MODEL_PRESETS["mistral-7b"], num_hidden_layers=2, vocab_size=1024)
+    mha = dict(gqa, num_key_value_heads=32)
+    # doubling the sequence: a quadratic term more than doubles the growth
+    g = act(gqa, 4096) - act(gqa, 2048), act(gqa, 2048) - act(gqa, 1024)
+    m = act(mha, 4096) - act(mha, 2048), act(mha, 2048) - act(mha, 1024)
+    assert g[0] > 3 * g[1]
+    assert m[0] < 2.5 * m[1]
+    assert any("math backend" in n for n in estimate_memory(gqa).notes)
+
+
+def test_fits_and_search() -> None:
+    est = estimate_memory("qwen3-4b", seq_len=2048)
+    assert est.fits("80GiB") and not est.fits("1GiB")
+    assert est.fits(est.total_bytes) and not est.fits(est.total_bytes - 1)
+    gpu = 24 * GiB
+    b = est.max_batch(gpu)
+    assert b >= 1
+    assert estimate_memory("qwen3-4b", batch=b).fits(gpu)
+    assert not estimate_memory("qwen3-4b", batch=b + 1).fits(gpu)
+    n = est.max_seq_len(gpu)
+    assert estimate_memory("qwen3-4b", seq_len=n).fits(gpu)
+    assert not estimate_memory("qwen3-4b", seq_len=n + 1).fits(gpu)
+    n64 = est.max_seq_len(gpu, multiple_of=64)
+    assert n64 % 64 == 0 and n - 64 < n64 <= n
+    assert est.max_batch("1GiB") == 0 and est.max_seq_len("1GiB") == 0
+    assert est.headroom(gpu) == gpu - est.total_bytes
+
+
+def test_other_knobs_move_the_right_parts() -> None:
+    base = estimate_memory("qwen3-4b")
+    r64 = estimate_memory("qwen3-4b", lora_r=64)
+    assert r64.breakdown["lora_params"] > 3 * base.breakdown["lora_params"]
+    sgd = estimate_memory("qwen3-4b", optimizer="sgd")
+    adam8 = estimate_memory("qwen3-4b", optimizer="adamw8bit")
+    assert sgd.breakdown["optimizer_states"] == 0
+    assert 0 < adam8.breakdown["optimizer_states"] < base.breakdown["optimizer_states"] / 3
+    qv = estimate_memory("qwen3-4b", targets=["q_proj", "v_proj"])
+    assert qv.to_dict()["lora_parameters"] == 36 * 16 * (2560 + 4096 + 2560 + 1024)
+    assert qv.total_bytes < base.total_bytes
+    single = estimate_memory("qwen3-4b", double_quant=False)
+    assert single.breakdown["quant_constants"] > 3 * base.breakdown["quant_constants"]
+
+
+def test_json_dict_is_serialisable() -> None:
+    d = estimate_memory("tiny", seq_len=128).to_dict()
+    again = json.loads(json.dumps(d))
+    assert again["total_bytes"] == d["total_bytes"]
+    assert again["settings"]["targets"] == list(nybble.memory.PROJECTIONS)
+
+
+# --- models from config dicts and files -------------------------------------------------
+
+
+def test_config_json_path_and_dict(tmp_path: Path) -> None:
+    cfg = dict(MODEL_PRESETS["qwen3-4b"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    from_file = estimate_memory(str(path))
+    from_dir = estimate_memory(tmp_path)
+    from_dict = estimate_memory(cfg)
+    preset = estimate_memory("qwen3-4b")
+    assert from_file.total_bytes == from_dir.total_bytes == from_dict.total_bytes
+    assert from_dict.total_bytes == preset.total_bytes
+
+
+def test_head_dim_defaults_to_hidden_over_heads() -> None:
+    a = Architecture.from_config(
+        dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            vocab_size=100,
+        )
+    )
+    assert a.head_dim == 64 and a.num_kv_heads == 8
+
+
+@pytest.mark.parametrize("missing", ["hidden_size", "num_hidden_layers", "vocab_size"])
+def test_config_missing_a_field_names_it(tmp_path: Path, missing: str) -> None:
+    cfg = dict(MODEL_PRESETS["llama-3.2-1b"])
+    del cfg[missing]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=repr(missing)):
+        estimate_memory(str(path))
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError) as e:
+        estimate_memory("gpt-17")
+    for name in ("qwen3-4b", "llama-3.1-8b", "mistral-7b", "tiny"):
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(lora_r=0), "lora_r"),
+        (dict(lora_r=-3), "lora_r"),
+        (dict(batch=-1), "batch"),
+        (dict(batch=0), "batch"),
+        (dict(seq_len=0), "seq_len"),
+        (dict(quant="nf3"), "quant"),
+        (dict(blocksize=48), "blocksize"),
+        (dict(targets=["q_proj", "wq"]), "wq"),
+        (dict(targets=[]), "targets"),
+        (dict(optimizer="lion"), "optimizer"),
+        (dict(lora_dtype="int4"), "lora_dtype"),
+        (dict(lora_dropout=1.5), "lora_dropout"),
+        (dict(framework="deepspeed"), "framework"),
+        (dict(lora_r=5000), "exceeds"),
+    ],
+)
+def test_bad_values_raise_value_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        estimate_memory("qwen3-4b", **kwargs)  # type: ignore[arg-type]
+
+
+def test_search_rejects_bad_gpu_sizes() -> None:
+    est = estimate_memory("tiny")
+    with pytest.raises(ValueError):
+        est.fits("lots")
+    with pytest.raises(ValueError):
+        est.max_seq_len("24GiB", multiple_of=0)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("24GiB", 24 * GiB),
+        ("24 gib", 24 * GiB),
+        ("16GB", 16 * 10**9),
+        ("80g", 80 * GiB),
+        ("512MiB", 512 * MiB),
+        ("rtx4090", 24 * GiB),
+        ("A100-40G", 40 * GiB),
+        ("1234", 1234),
+        (2048, 2048),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-4GiB", "0", "24 parsecs", "rtx9999"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+# --- a second runtime is one more framework model ---------------------------------------
+
+
+def test_a_new_framework_is_one_class() -> None:
+    class Flat(FrameworkModel):
+        name = "flat-test"
+        description = "everything in one phase"
+
+        def footprint(self, setup: TrainingSetup) -> Footprint:
+            parts = {k: 0 for k in BREAKDOWN_KEYS}
+            parts["activations"] = setup.tokens * 1000
+            return Footprint([Phase("only", parts)], allocator_cache=10, context=100)
+
+    register_framework(Flat())
+    try:
+        est = estimate_memory("tiny", batch=3, seq_len=10, framework="flat-test")
+        assert est.total_bytes == 30_000 + 10 + 100
+        assert est.breakdown["runtime_overhead"] == 110
+        assert est.max_batch(3 * 10_000 + 110) == 3
+    finally:
+        del FRAMEWORKS["flat-test"]
+
+
+# --- against the peaks measured on an H100 (benchmarks/memory/) ---------------------------
+
+
+def _measured() -> list[dict[str, object]]:
+    path = MEASURED / "measured.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if "step2" in r]
+
+
+def _estimate_for(rec: dict[str, object]) -> nybble.memory.MemoryEstimate:
+    preset = dict(MODEL_PRESETS[str(rec["arch"])], num_hidden_layers=rec["layers"])
+    return estimate_memory(
+        preset,
+        lora_r=int(rec.get("r", 16)),  # type: ignore[call-overload]
+        lora_dropout=float(rec.get("dropout", 0.0)),  # type: ignore[arg-type]
+        optimizer=str(rec.get("optim", "adamw")),
+        batch=int(rec["batch"]),  # type: ignore[call-overload]
+        seq_len=int(rec["seq"]),  # type: ignore[call-overload]
+        grad_checkpointing=bool(rec["gc"]),
+    )
+
+
+def test_measurements_cover_what_the_issue_asks() -> None:
+    rows = _measured()
+    assert len(rows) >= 40
+    archs = {r["arch"] for r in rows}
+    assert {"qwen3-0.6b", "qwen3-4b", "llama-3.2-1b", "llama-3.1-8b", "mistral-7b"} <= archs
+    for arch in ("qwen3-4b", "llama-3.1-8b", "mistral-7b"):
+        mine = [r for r in rows if r["arch"] == arch]
+        assert {r["seq"] for r in mine} >= {512, 2048}
+        assert {r["batch"] for r in mine} >= {1, 2}
+        assert {r["gc"] for r in mine} == {True, False}
+
+
+def test_allocated_peak_matches_measurements_within_2_percent() -> None:
+    for rec in _measured():
+        est = _estimate_for(rec)
+        measured = rec["step2"]["peak_allocated"]  # type: ignore[index]
+        err = (est.allocated_peak_bytes - measured) / measured
+        assert abs(err) < 0.02, (rec["arch"], rec["layers"], rec["batch"], rec["seq"], err)
+
+
+def test_total_matches_measurements_within_9_percent() -> None:
+    errors = []
+    for rec in _measured():
+        est = _estimate_for(rec)
+        measured = rec["step2"]["peak_reserved"] + rec["context_bytes"]  # type: ignore[index,operator]
+        errors.append((est.total_bytes - measured) / measured)
+    assert max(abs(e) for e in errors) < 0.09
+    assert sum(abs(e) for e in errors) / len(errors) < 0.05
+
+
+def test_context_constant_is_the_measured_one() -> None:
+    rec = json.loads((MEASURED / "context.jsonl").read_text().splitlines()[0])
+    assert abs(PeftBnb().c.cuda_context - rec["context_bytes"]) < 8 * MiB
