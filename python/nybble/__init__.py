@@ -20,9 +20,9 @@ __all__ = [
     "LoraLinear",
     "NF4Tensor",
     "QLoraLinear",
+    "bnb",
     "dequantize",
     "estimate_memory",
     "quantize",
-    "bnb",
     "reference",
 ]
