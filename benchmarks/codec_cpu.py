@@ -13,8 +13,9 @@ import argparse
 from typing import Any
 
 import numpy as np
-import nybble
 from _timing import emit, machine, median_seconds, write_results
+
+import nybble
 from nybble import _core, reference
 
 BLOCKSIZE = 64

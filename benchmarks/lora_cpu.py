@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from _timing import emit, machine, median_seconds, write_results
+
 from nybble import LoraConfig, LoraLinear, QLoraLinear
 
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import nybble
 import pytest
 from hypothesis import HealthCheck, settings
+
+import nybble
 from nybble import reference
 
 settings.register_profile(

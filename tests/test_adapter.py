@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import nybble
 import pytest
+
+import nybble
 from nybble import AdamW, LoraAdapter, LoraConfig, reference
 from nybble.errors import FormatError
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import nybble
 import pytest
+
+import nybble
 from nybble import bnb, reference
 from nybble.errors import FormatError
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
-import nybble
 import pytest
 from conftest import Codec
 from hypothesis import given
 from hypothesis import strategies as st
-from nybble import _core, reference
 from strategies import blocksizes, float32_arrays
+
+import nybble
+from nybble import _core, reference
 
 CODEBOOKS = ["nf4", "fp4", "int8"]
 OUT_DTYPES = ["float32", "float16", "bfloat16"]

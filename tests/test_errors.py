@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
-import nybble
 import pytest
+
+import nybble
 from nybble import _core
 
 

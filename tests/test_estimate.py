@@ -8,8 +8,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-import nybble
 import pytest
+
+import nybble
 from nybble.memory import (
     BREAKDOWN_KEYS,
     MODEL_PRESETS,

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import nybble
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+import nybble
 from nybble import LoraConfig, LoraLinear, QLoraLinear, reference
 
 

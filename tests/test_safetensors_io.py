@@ -8,6 +8,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
 from nybble import safetensors_io as st
 from nybble.errors import FormatError
 
