@@ -13,7 +13,7 @@ use crate::codebook::Format;
 use crate::error::Error;
 use crate::linalg::{self, MatMut, MatRef};
 use crate::lora::{self, Weight};
-use crate::qmatmul::{self, QuantizedMatrix};
+use crate::qmatmul::{matmul_w, matmul_wt, QuantizedMatrix};
 use crate::{codec, double_quant, layout};
 
 impl From<Error> for PyErr {
@@ -242,11 +242,12 @@ fn quantized<'a>(
     })
 }
 
-/// `out = alpha * x @ W^T` for a quantized W of `shape` [rows, cols], dequantized in tiles.
+/// `out = alpha * x @ W^T` (or `x @ W` when `transpose` is false) for a quantized W of
+/// `shape` [rows, cols], dequantized a few rows at a time.
 #[pyfunction]
-#[pyo3(signature = (x, codes, absmax, shape, blocksize, codebook, out, alpha = 1.0, accumulate = false))]
+#[pyo3(signature = (x, codes, absmax, shape, blocksize, codebook, out, transpose = true, alpha = 1.0, accumulate = false))]
 #[allow(clippy::too_many_arguments)]
-fn qmatmul_wt<'py>(
+fn qmatmul<'py>(
     py: Python<'py>,
     x: PyReadonlyArray2<'py, f32>,
     codes: PyReadonlyArray1<'py, u8>,
@@ -255,36 +256,20 @@ fn qmatmul_wt<'py>(
     blocksize: usize,
     codebook: &str,
     mut out: PyReadwriteArray2<'py, f32>,
+    transpose: bool,
     alpha: f32,
     accumulate: bool,
 ) -> PyResult<()> {
     let w = quantized(&codes, &absmax, shape, blocksize, codebook)?;
     let x = mat_ref(&x, "x")?;
     let mut y = mat_mut(&mut out)?;
-    py.detach(|| qmatmul::matmul_wt(&mut y, x, &w, alpha, accumulate))?;
-    Ok(())
-}
-
-/// `out = alpha * dy @ W` for a quantized W of `shape` [rows, cols], dequantized in tiles.
-#[pyfunction]
-#[pyo3(signature = (dy, codes, absmax, shape, blocksize, codebook, out, alpha = 1.0, accumulate = false))]
-#[allow(clippy::too_many_arguments)]
-fn qmatmul_w<'py>(
-    py: Python<'py>,
-    dy: PyReadonlyArray2<'py, f32>,
-    codes: PyReadonlyArray1<'py, u8>,
-    absmax: PyReadonlyArray1<'py, f32>,
-    shape: (usize, usize),
-    blocksize: usize,
-    codebook: &str,
-    mut out: PyReadwriteArray2<'py, f32>,
-    alpha: f32,
-    accumulate: bool,
-) -> PyResult<()> {
-    let w = quantized(&codes, &absmax, shape, blocksize, codebook)?;
-    let dy = mat_ref(&dy, "dy")?;
-    let mut dx = mat_mut(&mut out)?;
-    py.detach(|| qmatmul::matmul_w(&mut dx, dy, &w, alpha, accumulate))?;
+    py.detach(|| {
+        if transpose {
+            matmul_wt(&mut y, x, &w, alpha, accumulate)
+        } else {
+            matmul_w(&mut y, x, &w, alpha, accumulate)
+        }
+    })?;
     Ok(())
 }
 
@@ -389,8 +374,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(to_blocks36, m)?)?;
     m.add_function(wrap_pyfunction!(from_blocks36, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
-    m.add_function(wrap_pyfunction!(qmatmul_wt, m)?)?;
-    m.add_function(wrap_pyfunction!(qmatmul_w, m)?)?;
+    m.add_function(wrap_pyfunction!(qmatmul, m)?)?;
     m.add_function(wrap_pyfunction!(dora_row_norms_dense, m)?)?;
     m.add_function(wrap_pyfunction!(dora_row_norms_quantized, m)?)?;
     m.add_function(wrap_pyfunction!(double_quantize, m)?)?;

@@ -91,7 +91,7 @@ class QuantBase:
             return cuda.nf4_matmul(x, self.q)
         q = self.q
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
-        _core.qmatmul_wt(x, q.codes, q.absmax, self.shape, q.blocksize, q.codebook, out)
+        _core.qmatmul(x, q.codes, q.absmax, self.shape, q.blocksize, q.codebook, out)
         return out
 
     def backward(self, dy: Any) -> Any:
@@ -101,7 +101,7 @@ class QuantBase:
             return cuda.nf4_matmul_t(dy, self.q)
         q = self.q
         out = np.empty((dy.shape[0], self.shape[1]), np.float32)
-        _core.qmatmul_w(dy, q.codes, q.absmax, self.shape, q.blocksize, q.codebook, out)
+        _core.qmatmul(dy, q.codes, q.absmax, self.shape, q.blocksize, q.codebook, out, False)
         return out
 
     def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
