@@ -35,8 +35,11 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
 
 def is_cuda(x: Any) -> bool:
     """True for CuPy arrays and other arrays that live in CUDA memory."""
-    if hasattr(x, "__cuda_array_interface__"):
-        return True
+    try:
+        if hasattr(x, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises KeyError (bfloat16) or RuntimeError (requires_grad) there
+        pass
     device = getattr(x, "__dlpack_device__", None)
     if device is not None and not isinstance(x, np.ndarray):
         try:

@@ -56,7 +56,12 @@ class NestedAbsmax:
     def nbytes(self) -> int:
         return int(self.codes.nbytes + self.absmax2.nbytes + 4)
 
-    def decode(self) -> np.ndarray:
+    def decode(self) -> Any:
+        """The float32 scales (a CuPy array when the codes are on the GPU)."""
+        if not isinstance(self.codes, np.ndarray):
+            from . import cuda
+
+            return cuda.double_dequantize(self)
         return _core.double_dequantize(self.codes, self.absmax2, np.float32(self.offset))
 
     @staticmethod
