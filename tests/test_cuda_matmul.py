@@ -1,0 +1,189 @@
+"""The 4-bit matmuls on the GPU (fused GEMV, nf4_matmul, nf4_matmul_t) against the float64
+product of the exactly dequantized weight, within bounds that follow from the arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import blocksizes
+
+import nybble
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+cuda = pytest.importorskip("nybble.cuda")
+from nybble.cuda import _launch  # noqa: E402
+
+DTYPES = ["float32", "float16", "bfloat16"]
+#: Unit roundoff of each dtype (half an ulp of 1).
+ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def weight(rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-3, 3, (rows, 1)))
+    return w.astype(np.float32)
+
+
+def tokens(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return cp.asarray(x.astype(nybble._arrays.numpy_dtype(dtype)))
+
+
+def assert_within_bound(got: Any, a: Any, b: np.ndarray, dtype: str) -> None:
+    """got ≈ a @ b in float64, where a holds the inputs as given and b the exact dequantized
+    weight. Allowed: the output's rounding, the weight's rounding to the compute dtype (the
+    cuBLAS path) and float32 accumulation over k terms, each on the scale of |a| @ |b|,
+    with a factor 2 to spare."""
+    assert got.dtype == a.dtype
+    a64 = cp.asnumpy(a).astype(np.float64)
+    want = a64 @ b
+    scale = np.abs(a64) @ np.abs(b)
+    k = b.shape[0]
+    u = ROUNDOFF[dtype]
+    bound = 2 * (u * np.abs(want) + (u + (k + 3) * 2.0**-24) * scale) + 1e-30
+    err = np.abs(cp.asnumpy(got).astype(np.float64) - want)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else ()
+    assert (err <= bound).all(), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+def exact_weight(q: nybble.NF4Tensor) -> np.ndarray:
+    return np.asarray(q.cpu().dequantize("float32"), np.float64)
+
+
+# --- the fused GEMV ----------------------------------------------------------------------
+
+
+@given(
+    rows=st.integers(1, 70),
+    chunks=st.integers(1, 12),
+    m=st.integers(1, _launch.GEMV_MAX_TOKENS),
+    dtype=st.sampled_from(DTYPES),
+    blocksize=blocksizes,
+    codebook=st.sampled_from(["nf4", "fp4"]),
+    double_quant=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_against_float64(
+    rows: int,
+    chunks: int,
+    m: int,
+    dtype: str,
+    blocksize: int,
+    codebook: str,
+    double_quant: bool,
+    seed: int,
+) -> None:
+    """Any row count, rows of 32k elements, blocks shorter or longer than a row."""
+    cols = 32 * chunks
+    q = nybble.quantize(cp.asarray(weight(rows, cols, seed)), blocksize, double_quant, codebook)
+    x = tokens((m, cols), dtype, seed + 1)
+    y = cuda.nf4_gemv(x, q)
+    assert y.shape == (m, rows)
+    assert_within_bound(y, x, exact_weight(q).T, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1000, 4096), (64, 14336)])
+def test_gemv_long_rows(dtype: str, shape: tuple[int, int]) -> None:
+    q = nybble.quantize(cp.asarray(weight(*shape, seed=1)))
+    x = tokens((shape[1],), dtype, 2)
+    y = cuda.nf4_gemv(x, q)
+    assert y.shape == (shape[0],)
+    assert_within_bound(y, x, exact_weight(q).T, dtype)
+
+
+# --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead", [(), (1,), (8,), (9,), (3, 5), (300,)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_and_its_transpose(lead: tuple[int, ...], dtype: str) -> None:
+    """Few tokens take the GEMV, more take cuBLAS; both directions, any leading shape."""
+    q = nybble.quantize(cp.asarray(weight(96, 160, 3)), double_quant=True)
+    w = exact_weight(q)
+    x = tokens((*lead, 160), dtype, 4)
+    y = cuda.nf4_matmul(x, q)
+    assert isinstance(y, cp.ndarray) and y.shape == (*lead, 96)
+    assert_within_bound(y, x, w.T, dtype)
+    dy = tokens((*lead, 96), dtype, 5)
+    dx = cuda.nf4_matmul_t(dy, q)
+    assert dx.shape == (*lead, 160)
+    assert_within_bound(dx, dy, w, dtype)
+
+
+@pytest.mark.parametrize("codebook, cols", [("int8", 64), ("nf4", 100), ("fp4", 48)])
+def test_weights_the_gemv_does_not_take_go_through_cublas(codebook: str, cols: int) -> None:
+    assert not _launch.gemv_supported(codebook, (40, cols))
+    q = nybble.quantize(cp.asarray(weight(40, cols, 6)), 32, codebook=codebook)
+    x = tokens((2, cols), "bfloat16", 7)
+    assert_within_bound(cuda.nf4_matmul(x, q), x, exact_weight(q).T, "bfloat16")
+    with pytest.raises(ValueError, match="the fused GEMV takes"):
+        cuda.nf4_gemv(x, q)
+
+
+def test_gemv_and_cublas_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = nybble.quantize(cp.asarray(weight(256, 512, 8)))
+    x = tokens((4, 512), "float32", 9)
+    fused = cp.asnumpy(cuda.nf4_matmul(x, q))
+    monkeypatch.setattr(cuda, "GEMV_MAX_TOKENS", 0)
+    dense = cp.asnumpy(cuda.nf4_matmul(x, q))
+    np.testing.assert_allclose(fused, dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
+
+
+def test_float32_weights_are_dequantized_in_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows, cols = 100, 96
+    q = nybble.quantize(cp.asarray(weight(rows, cols, 10)), 64)
+    monkeypatch.setattr(cuda, "TILE_BYTES", 32 * cols * 4)
+    assert cuda._row_tiles(q, "float32") == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert cuda._row_tiles(q, "bfloat16") == [(0, rows)]
+    w = exact_weight(q)
+    x = tokens((20, cols), "float32", 11)
+    assert_within_bound(cuda.nf4_matmul(x, q), x, w.T, "float32")
+    dy = tokens((20, rows), "float32", 12)
+    assert_within_bound(cuda.nf4_matmul_t(dy, q), dy, w, "float32")
+
+
+def test_torch_bfloat16_inputs() -> None:
+    torch = pytest.importorskip("torch")
+    q = nybble.quantize(cp.asarray(weight(64, 128, 13)))
+    for m in (1, 16):
+        x = np.random.default_rng(m).standard_normal((m, 128)).astype(ml_dtypes.bfloat16)
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda().requires_grad_(True)
+        got = cuda.nf4_matmul(t, q)
+        assert isinstance(got, cp.ndarray) and got.dtype == ml_dtypes.bfloat16
+        want = cuda.nf4_matmul(cp.asarray(x), q)
+        np.testing.assert_array_equal(
+            cp.asnumpy(got).view(np.uint16), cp.asnumpy(want).view(np.uint16)
+        )
+
+
+def test_bad_matmul_arguments() -> None:
+    q = nybble.quantize(cp.asarray(weight(64, 128, 14)))
+    x = tokens((2, 128), "float32", 15)
+    with pytest.raises(ValueError, match=r"x: expected shape \(\.\.\., 128\)"):
+        cuda.nf4_matmul(x[:, :96], q)
+    with pytest.raises(ValueError, match=r"dy: expected shape \(\.\.\., 64\)"):
+        cuda.nf4_matmul_t(x, q)
+    with pytest.raises(ValueError, match="on the CPU"):
+        cuda.nf4_matmul(x, q.cpu())
+    with pytest.raises(ValueError, match="dtype int32"):
+        cuda.nf4_matmul(x.astype(cp.int32), q)
+    with pytest.raises(ValueError, match="expected a 2-D weight"):
+        cuda.nf4_matmul(x, nybble.quantize(cp.ones(128, cp.float32)))
+    m = _launch.GEMV_MAX_TOKENS + 1
+    with pytest.raises(ValueError, match=rf"1 <= m <= {m - 1}, got \({m}, 128\)"):
+        cuda.nf4_gemv(tokens((m, 128), "float32", 16), q)
+    y = cp.empty((2, 64), cp.float16)
+    with pytest.raises(ValueError, match="y: expected dtype float32, got float16"):
+        _launch.gemv(x, q.codes, q.absmax, None, "nf4", (64, 128), 64, y)
+    with pytest.raises(ValueError, match=r"y: expected shape \(2, 64\)"):
+        _launch.gemv(
+            x, q.codes, q.absmax, None, "nf4", (64, 128), 64, cp.empty((64, 2), cp.float32)
+        )
+    cp.cuda.Device().synchronize()

@@ -1,0 +1,95 @@
+"""Every CUDA source shipped in the extension compiles with NVRTC for sm_80 and sm_90, and
+defines every kernel the launchers name. NVRTC needs no GPU and no driver, so this runs in CI
+(from the `nvidia-cuda-nvrtc-cu12` wheel); it is skipped only where that wheel is absent."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from nybble import _core
+from nybble.cuda import _launch, _module
+
+
+def _nvidia_dir() -> Path | None:
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        if (Path(location) / "cuda_nvrtc" / "lib" / "libnvrtc.so.12").exists():
+            return Path(location)
+    return None
+
+
+NVIDIA = _nvidia_dir()
+pytestmark = pytest.mark.skipif(NVIDIA is None, reason="needs the nvidia-cuda-nvrtc-cu12 wheel")
+
+
+def _nvrtc() -> ctypes.CDLL:
+    assert NVIDIA is not None
+    lib = ctypes.CDLL(str(NVIDIA / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"))
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def compile_ptx(source: str, name: str, arch: str) -> str:
+    """PTX of `source`, or an AssertionError carrying the compiler's log."""
+    nvrtc = _nvrtc()
+    prog = ctypes.c_void_p()
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    assert rc == 0, nvrtc.nvrtcGetErrorString(rc)
+    options = [*_module.OPTIONS, f"--gpu-architecture={arch}"]
+    include = NVIDIA / "cuda_runtime" / "include" if NVIDIA else None
+    if include is not None and include.is_dir():  # cuda_fp16.h / cuda_bf16.h, should one need them
+        options.append(f"-I{include}")
+    argv = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+    try:
+        rc = nvrtc.nvrtcCompileProgram(prog, len(options), argv)
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, f"{name} ({arch}): {nvrtc.nvrtcGetErrorString(rc)!r}\n{log.value.decode()}"
+        nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        assert nvrtc.nvrtcGetPTX(prog, ptx) == 0
+        return ptx.value.decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+SOURCES = _core.kernel_sources()
+
+
+def test_the_extension_ships_the_kernels() -> None:
+    assert _module.KERNEL_FILE in SOURCES
+    assert all(name.endswith((".cu", ".cuh")) for name in SOURCES)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.endswith(".cu")))
+def test_kernel_source_compiles(name: str, arch: str) -> None:
+    ptx = compile_ptx(SOURCES[name], name, arch)
+    assert ".entry" in ptx
+    # No local-memory arrays: a register array indexed at run time would land there.
+    assert ".local" not in ptx, "a kernel spills an array to local memory"
+    # IEEE arithmetic throughout: flushing subnormals would break bit-exactness with the CPU.
+    assert ".ftz" not in ptx, "flush-to-zero arithmetic in the kernels"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_launched_kernel_is_defined(arch: str) -> None:
+    ptx = compile_ptx(SOURCES[_module.KERNEL_FILE], _module.KERNEL_FILE, arch)
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    assert set(_launch.kernel_names()) <= entries
+
+
+def test_a_compile_error_fails() -> None:
+    with pytest.raises(AssertionError, match="undefined_identifier"):
+        compile_ptx(
+            'extern "C" __global__ void k() { undefined_identifier = 1; }', "bad.cu", "sm_90"
+        )
