@@ -438,57 +438,105 @@ QUANTIZE_ALL_INPUTS(dynamic8, DYNAMIC8)
 
 // ---- fused 4-bit GEMV: y[t, r] = sum_k x[t, k] * W[r, k] for M <= 4 tokens -------------------
 
-// A warp computes ROWS rows of W [rows, cols] (split layout, cols a multiple of 32). Its lanes
-// take 32-element chunks (16 code bytes, one scale) of each row, UNROLL at a time with every
-// load issued before any arithmetic, decode them through the codebook in shared memory and
-// multiply them by all M tokens: the 4-bit weight is read once for all tokens, and each load
-// of x serves ROWS rows. The scale multiplies each chunk's partial sum, not each weight.
+// A block computes GEMV_ROWS rows of W [rows, cols] (split layout, cols a multiple of 32). Its
+// threads take 32-element chunks (16 code bytes, one scale) of those rows, thread t the chunks
+// t, t + GEMV_THREADS, ...: a warp reads 512 contiguous bytes of a row, and a row of 4096
+// elements is one chunk per thread, all loads in flight at once. Many short blocks rather than
+// a few long ones: the GEMV reads each byte once, so what bounds it is how much memory traffic
+// is in flight, and short blocks leave no tail of idle SMs. Each chunk is decoded through the
+// codebook in shared memory and multiplied by all M tokens (the 4-bit weight is read once for
+// all tokens, each load of x serves GEMV_ROWS rows); the scale multiplies the chunk's partial
+// sum, not each weight. With more chunks than threads, the next GEMV_UNROLL chunks are loaded
+// before the current ones are decoded. The sums meet through warp shuffles and shared memory.
+// The launcher (nybble.cuda._launch) knows GEMV_THREADS and GEMV_ROWS.
+// The shared-memory address of p (its offset in the block's shared window).
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ float load_shared(u32 address) {
+    float v;
+    asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+    return v;
+}
+
+// The 8 codebook values of a word of codes (element j in nibble j), looked up in a 16-entry
+// table at `lut` in shared memory, 256-byte aligned. The shared address of entry c is lut | 4c:
+// one byte permute per element builds it from a word holding 4c in each byte, which two
+// shift-and-masks make for 4 elements at once (the compiler's own indexing takes 3 instructions
+// per element, and the GEMV is bound by instruction issue, not by memory).
+__device__ __forceinline__ void decode8(u32 word, u32 lut, float* v) {
+    const u32 even = (word << 2) & 0x3c3c3c3cu;  // byte k: 4 * element 2k
+    const u32 odd = (word >> 2) & 0x3c3c3c3cu;   // byte k: 4 * element 2k + 1
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        v[2 * k] = load_shared(__byte_perm(even, lut, 0x7650u | k));
+        v[2 * k + 1] = load_shared(__byte_perm(odd, lut, 0x7650u | k));
+    }
+}
+
+#ifndef GEMV_THREADS
 #define GEMV_THREADS 128
-#define ROWS 4
-#define UNROLL 2
+#endif
+#ifndef GEMV_ROWS
+#define GEMV_ROWS 8
+#endif
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 1
+#endif
 
 template <int D, int M>
 __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
                                      const u8* __restrict__ codes, const Scales& scale,
                                      const float* __restrict__ table, int rows, int cols,
                                      int log2_bs, typename Elem<D>::T* __restrict__ y) {
-    enum { VEC = Elem<D>::VEC };
-    __shared__ float lut[16];
-    const int lane = threadIdx.x & 31;
-    const int r0 = (blockIdx.x * (GEMV_THREADS / 32) + (threadIdx.x >> 5)) * ROWS;
-    const bool active = r0 < rows;
+    enum { VEC = Elem<D>::VEC, ROWS = GEMV_ROWS, UNROLL = GEMV_UNROLL };
+    enum { WARPS = GEMV_THREADS / 32, STRIDE = GEMV_THREADS * UNROLL };
+    __shared__ __align__(256) float lut[16];
+    __shared__ float partial[WARPS][ROWS][M];
+    const u32 lut_base = shared_address(lut);
+    const int r0 = blockIdx.x * ROWS;
     const int chunks = cols >> 5;
+
+    // Chunks c0, c0 + GEMV_THREADS, ... of the block's rows into w and s; zeros past the end.
+    auto load = [&](int c0, uint4 (&w)[UNROLL][ROWS], float (&s)[UNROLL][ROWS]) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const int c = c0 + GEMV_THREADS * u;
+                w[u][r] = make_uint4(0u, 0u, 0u, 0u);
+                s[u][r] = 0.0f;
+                if (c < chunks && r0 + r < rows) {
+                    const i64 e = (i64)(r0 + r) * cols + ((i64)c << 5);
+                    w[u][r] = __ldcs(reinterpret_cast<const uint4*>(codes + (e >> 1)));
+                    s[u][r] = scale(e >> log2_bs);
+                }
+            }
+    };
+
+    uint4 w[UNROLL][ROWS];
+    float s[UNROLL][ROWS];
+    load(threadIdx.x, w, s);
+    // The codebook reaches shared memory while the first loads are in flight.
+    if (threadIdx.x < 16) lut[threadIdx.x] = table[threadIdx.x];
+    __syncthreads();
+
     float acc[ROWS][M];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int t = 0; t < M; ++t) acc[r][t] = 0.0f;
 
-    for (int c0 = lane, first = 1;; c0 += 32 * UNROLL, first = 0) {
-        uint4 w[UNROLL][ROWS];
-        float s[UNROLL][ROWS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                const int c = c0 + 32 * u;
-                w[u][r] = make_uint4(0u, 0u, 0u, 0u);
-                s[u][r] = 0.0f;
-                if (active && c < chunks && r0 + r < rows) {
-                    const i64 e = (i64)(r0 + r) * cols + ((i64)c << 5);
-                    w[u][r] = __ldcs(reinterpret_cast<const uint4*>(codes + (e >> 1)));
-                    s[u][r] = scale(e >> log2_bs);
-                }
-            }
-        if (first) {  // the codebook reaches shared memory while the first loads are in flight
-            if (threadIdx.x < 16) lut[threadIdx.x] = table[threadIdx.x];
-            __syncthreads();
-            if (!active) return;
-        }
-        if (c0 >= chunks) break;
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += STRIDE) {
+        uint4 wn[UNROLL][ROWS];
+        float sn[UNROLL][ROWS];
+        if (c0 + STRIDE < chunks) load(c0 + STRIDE, wn, sn);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int c = c0 + 32 * u;
+            const int c = c0 + GEMV_THREADS * u;
             if (c >= chunks) break;
             float part[ROWS][M];
 #pragma unroll
@@ -509,12 +557,12 @@ __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
                 for (int r = 0; r < ROWS; ++r) {
                     const uint4 wr = w[u][r];
                     const u32 word = q == 0 ? wr.x : q == 1 ? wr.y : q == 2 ? wr.z : wr.w;
+                    float wv[8];
+                    decode8(word, lut_base, wv);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float wv = lut[(word >> (4 * j)) & 15u];
+                    for (int j = 0; j < 8; ++j)
 #pragma unroll
-                        for (int t = 0; t < M; ++t) part[r][t] = fmaf(wv, xv[t][j], part[r][t]);
-                    }
+                        for (int t = 0; t < M; ++t) part[r][t] = fmaf(wv[j], xv[t][j], part[r][t]);
                 }
             }
 #pragma unroll
@@ -522,8 +570,18 @@ __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
 #pragma unroll
                 for (int t = 0; t < M; ++t) acc[r][t] = fmaf(s[u][r], part[r][t], acc[r][t]);
         }
+        if (c0 + STRIDE < chunks) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    w[u][r] = wn[u][r];
+                    s[u][r] = sn[u][r];
+                }
+        }
     }
 
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -531,8 +589,16 @@ __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
             float a = acc[r][t];
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            if (lane == 0 && r0 + r < rows) y[(i64)t * rows + r0 + r] = Elem<D>::store(a);
+            if (lane == 0) partial[warp][r][t] = a;
         }
+    __syncthreads();
+    if (threadIdx.x < ROWS * M) {
+        const int r = threadIdx.x / M, t = threadIdx.x % M;
+        float a = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WARPS; ++k) a += partial[k][r][t];
+        if (r0 + r < rows) y[(i64)t * rows + r0 + r] = Elem<D>::store(a);
+    }
 }
 
 #define GEMV(NAME, D, M)                                                                       \

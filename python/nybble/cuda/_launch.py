@@ -29,7 +29,7 @@ QUANT_FORMATS = ("nf4", "fp4", "int8", "dynamic8")
 #: dequantize + cuBLAS is faster on an H100 (benchmarks/gpu_codec.py measures the crossover).
 GEMV_MAX_TOKENS = 4
 GEMV_THREADS = 128  # the kernels' GEMV_THREADS
-GEMV_ROWS_PER_BLOCK = GEMV_THREADS // 32 * 4  # 4 warps of ROWS = 4 rows
+GEMV_ROWS_PER_BLOCK = 8  # the kernels' GEMV_ROWS
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
 
 

@@ -11,6 +11,7 @@ device's machine code (CUBIN), not PTX: a newer NVRTC writes PTX that an older d
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,15 @@ def _nvrtc() -> Any:
     return nvrtc
 
 
-def compile_cubin(arch: str) -> bytes:
-    """Machine code of the kernels for compute capability `arch` (e.g. "90")."""
+def compile_cubin(arch: str, source_text: str | None = None, defines: Sequence[str] = ()) -> bytes:
+    """Machine code of the kernels (or of `source_text`) for compute capability `arch` (e.g.
+    "90"), with extra `-D` `defines` such as "GEMV_ROWS=2" (benchmarks/gemv_tune.py)."""
     nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(source(), KERNEL_FILE, [], [])
+    prog = nvrtc.createProgram(source_text or source(), KERNEL_FILE, [], [])
+    options = [*OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-D{d}" for d in defines)]
     try:
         try:
-            nvrtc.compileProgram(prog, [*OPTIONS, f"--gpu-architecture=sm_{arch}"])
+            nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"{KERNEL_FILE} does not compile: {e}\n{log}") from None
