@@ -226,7 +226,8 @@ def quantize(x: Any, blocksize: int, codebook: str, check_finite: bool = True) -
     absmax = cp.empty(-(-n // blocksize), cp.float32)
     if n == 0:
         return codes, absmax
-    first_bad = cp.full(1, np.uint64(_NONE), cp.uint64)  # filled on the device: no wait
+    # Filled on the device, no wait; unread without the check, so then not filled at all.
+    first_bad = cp.full(1, np.uint64(_NONE), cp.uint64) if check_finite else cp.empty(1, cp.uint64)
     args = (
         x,
         np.int64(n),
