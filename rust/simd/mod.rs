@@ -1,6 +1,6 @@
 //! Block kernels: a scalar version of each (the twin every SIMD kernel is tested against) and
-//! AVX2 versions chosen at run time. Kernels see whole slices of blocks; the caller in
-//! `codec` splits work across threads.
+//! AVX2 (x86_64) or NEON (aarch64) versions chosen at run time. Kernels see whole slices of
+//! blocks; the caller in `codec` splits work across threads.
 //!
 //! Contract of the quantize kernels: `x` holds whole blocks of `bs` values, except perhaps a
 //! shorter last one; `codes` and `absmax` are exactly as long as those values need. On a
@@ -13,6 +13,8 @@ use crate::element::{Input, Output};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 pub mod scalar;
 
 /// The instruction sets the kernels can use.
@@ -21,6 +23,8 @@ pub enum Level {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// aarch64 Advanced SIMD.
+    Neon,
 }
 
 impl Level {
@@ -28,6 +32,7 @@ impl Level {
         match self {
             Level::Scalar => "scalar",
             Level::Avx2 => "avx2",
+            Level::Neon => "neon",
         }
     }
 }
@@ -56,9 +61,17 @@ fn detect() -> Level {
     }
 }
 
-// Other architectures run the portable kernels, which the compiler vectorizes for the
-// baseline instruction set (NEON on aarch64).
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+fn detect() -> Level {
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        Level::Neon
+    } else {
+        Level::Scalar
+    }
+}
+
+// Other architectures have no SIMD kernels of their own: they run the portable ones.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn detect() -> Level {
     Level::Scalar
 }
@@ -68,9 +81,13 @@ fn detect() -> Level {
 pub trait SimdInput: Input + avx2::Load8 {}
 #[cfg(target_arch = "x86_64")]
 impl<T: Input + avx2::Load8> SimdInput for T {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+pub trait SimdInput: Input + neon::Load8 {}
+#[cfg(target_arch = "aarch64")]
+impl<T: Input + neon::Load8> SimdInput for T {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 pub trait SimdInput: Input {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 impl<T: Input> SimdInput for T {}
 
 /// Output element types the SIMD kernels can store.
@@ -78,9 +95,13 @@ impl<T: Input> SimdInput for T {}
 pub trait SimdOutput: Output + avx2::StoreTable {}
 #[cfg(target_arch = "x86_64")]
 impl<T: Output + avx2::StoreTable> SimdOutput for T {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(target_arch = "aarch64")]
+pub trait SimdOutput: Output + neon::StoreTable {}
+#[cfg(target_arch = "aarch64")]
+impl<T: Output + neon::StoreTable> SimdOutput for T {}
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 pub trait SimdOutput: Output {}
-#[cfg(not(target_arch = "x86_64"))]
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 impl<T: Output> SimdOutput for T {}
 
 /// NF4-quantizes blocks at `level`.
@@ -95,6 +116,9 @@ pub fn quantize_nf4<T: SimdInput>(
         // SAFETY: `Level::Avx2` is only chosen when the CPU has AVX2, FMA and F16C.
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { avx2::quantize_nf4(x, bs, codes, absmax) },
+        // SAFETY: `Level::Neon` is only chosen when the CPU has NEON.
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => unsafe { neon::quantize_nf4(x, bs, codes, absmax) },
         _ => scalar::quantize(crate::codebook::Format::Nf4, x, bs, codes, absmax),
     }
 }
@@ -112,6 +136,9 @@ pub fn dequantize_4bit<O: SimdOutput>(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { avx2::dequantize_4bit(format, codes, absmax, bs, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon => unsafe { neon::dequantize_4bit(format, codes, absmax, bs, out) },
         _ => scalar::dequantize(format, codes, absmax, bs, out),
     }
 }

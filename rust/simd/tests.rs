@@ -21,6 +21,10 @@ impl Rng {
     }
 }
 
+/// 2^-140, a subnormal whose reciprocal overflows. (`2f32.powi(-140)` is 0: it computes
+/// `1 / 2^140`, which underflows through infinity.)
+const TINY: f32 = f32::from_bits(1 << 9);
+
 /// Values that stress the rules: exact midpoints at power-of-two scales, signed zeros,
 /// subnormals, tiny blocks whose reciprocal overflows, huge magnitudes, plain noise.
 fn adversarial(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -29,7 +33,7 @@ fn adversarial(rng: &mut Rng, n: usize) -> Vec<f32> {
         let kind = rng.next() % 6;
         let scale = match kind {
             0 => 1.0,
-            1 => 2f32.powi(-140),     // subnormal: 1/absmax overflows
+            1 => TINY,                // subnormal: 1/absmax overflows
             2 => 2f32.powi(100),      // huge
             3 => 2f32.powi(-126),     // smallest normal
             4 => 0.0,                 // all-zero block
@@ -51,14 +55,23 @@ fn adversarial(rng: &mut Rng, n: usize) -> Vec<f32> {
 const LENGTHS: [usize; 12] = [0, 1, 2, 31, 32, 33, 63, 64, 65, 127, 1000, 3 * 4096 + 17];
 const BLOCKSIZES: [usize; 5] = [32, 64, 128, 256, 4096];
 
-fn avx2_available() -> bool {
-    detect() == Level::Avx2
+/// The SIMD level under test: what this CPU has (AVX2 on x86_64, NEON on aarch64), or
+/// `None` where it has none, and the differential tests have nothing to compare.
+fn simd_level() -> Option<Level> {
+    Some(detect()).filter(|&l| l != Level::Scalar)
+}
+
+/// Every aarch64 CPU has NEON, so the tests below must not skip there.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_is_detected_on_aarch64() {
+    assert_eq!(simd_level(), Some(Level::Neon));
 }
 
 fn check_quantize<T: SimdInput + std::fmt::Debug>(convert: impl Fn(f32) -> T) {
-    if !avx2_available() {
+    let Some(level) = simd_level() else {
         return;
-    }
+    };
     let mut rng = Rng(7);
     for &bs in &BLOCKSIZES {
         for &n in &LENGTHS {
@@ -67,7 +80,7 @@ fn check_quantize<T: SimdInput + std::fmt::Debug>(convert: impl Fn(f32) -> T) {
             let (mut c1, mut a1) = (vec![0u8; n.div_ceil(2)], vec![0f32; nb]);
             let (mut c2, mut a2) = (vec![1u8; n.div_ceil(2)], vec![1f32; nb]);
             scalar::quantize(Format::Nf4, &x, bs, &mut c1, &mut a1).unwrap();
-            quantize_nf4(Level::Avx2, &x, bs, &mut c2, &mut a2).unwrap();
+            quantize_nf4(level, &x, bs, &mut c2, &mut a2).unwrap();
             assert_eq!(a1, a2, "absmax, bs {bs} n {n}");
             assert_eq!(c1, c2, "codes, bs {bs} n {n}");
         }
@@ -75,31 +88,37 @@ fn check_quantize<T: SimdInput + std::fmt::Debug>(convert: impl Fn(f32) -> T) {
 }
 
 #[test]
-fn quantize_avx2_matches_scalar_f32() {
+fn quantize_simd_matches_scalar_f32() {
     check_quantize(|v| v);
 }
 
 #[test]
-fn quantize_avx2_matches_scalar_f64() {
+fn quantize_simd_matches_scalar_f64() {
     check_quantize(|v| v as f64 * (1.0 + 1e-9));
 }
 
 #[test]
-fn quantize_avx2_matches_scalar_f16() {
+fn quantize_simd_matches_scalar_f16() {
     // Keep within the f16 range: 2^100 would be infinite there.
     check_quantize(|v| f16::from_f32(v.clamp(-65504.0, 65504.0)));
 }
 
 #[test]
-fn quantize_avx2_matches_scalar_bf16() {
+fn quantize_simd_matches_scalar_bf16() {
     check_quantize(bf16::from_f32);
 }
 
 #[test]
+fn quantize_simd_matches_scalar_f16_subnormal() {
+    // Blocks of f16 subnormals and tiny normals (the widening's special case).
+    check_quantize(|v| f16::from_f32((v * 2f32.powi(-16)).clamp(-65504.0, 65504.0)));
+}
+
+#[test]
 fn quantize_reports_the_first_non_finite_index_like_scalar() {
-    if !avx2_available() {
+    let Some(level) = simd_level() else {
         return;
-    }
+    };
     let mut rng = Rng(3);
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         for _ in 0..20 {
@@ -112,7 +131,7 @@ fn quantize_reports_the_first_non_finite_index_like_scalar() {
             }
             let (mut c, mut a) = (vec![0u8; n.div_ceil(2)], vec![0f32; n.div_ceil(64)]);
             let e1 = scalar::quantize(Format::Nf4, &x, 64, &mut c, &mut a);
-            let e2 = quantize_nf4(Level::Avx2, &x, 64, &mut c, &mut a);
+            let e2 = quantize_nf4(level, &x, 64, &mut c, &mut a);
             assert_eq!(e1, Err(first));
             assert_eq!(e2, Err(first));
         }
@@ -125,9 +144,9 @@ fn bits<O: crate::element::Input>(out: &[O]) -> Vec<u32> {
 }
 
 fn check_dequantize<O: SimdOutput + crate::element::Input>() {
-    if !avx2_available() {
+    let Some(level) = simd_level() else {
         return;
-    }
+    };
     let mut rng = Rng(11);
     for format in [Format::Nf4, Format::Fp4] {
         for &bs in &BLOCKSIZES {
@@ -136,7 +155,7 @@ fn check_dequantize<O: SimdOutput + crate::element::Input>() {
                 let absmax: Vec<f32> = (0..n.div_ceil(bs))
                     .map(|b| match b % 4 {
                         0 => 0.0,
-                        1 => 2f32.powi(-140),
+                        1 => TINY,
                         2 => 3.0e38,
                         _ => rng.uniform().abs() * 10.0,
                     })
@@ -144,7 +163,7 @@ fn check_dequantize<O: SimdOutput + crate::element::Input>() {
                 let mut o1 = vec![O::default(); n];
                 let mut o2 = vec![O::default(); n];
                 scalar::dequantize(format, &codes, &absmax, bs, &mut o1);
-                dequantize_4bit(Level::Avx2, format, &codes, &absmax, bs, &mut o2);
+                dequantize_4bit(level, format, &codes, &absmax, bs, &mut o2);
                 assert_eq!(bits(&o1), bits(&o2), "{format:?} bs {bs} n {n}");
             }
         }
@@ -152,16 +171,88 @@ fn check_dequantize<O: SimdOutput + crate::element::Input>() {
 }
 
 #[test]
-fn dequantize_avx2_matches_scalar_f32() {
+fn dequantize_simd_matches_scalar_f32() {
     check_dequantize::<f32>();
 }
 
 #[test]
-fn dequantize_avx2_matches_scalar_f16() {
+fn dequantize_simd_matches_scalar_f16() {
     check_dequantize::<f16>();
 }
 
 #[test]
-fn dequantize_avx2_matches_scalar_bf16() {
+fn dequantize_simd_matches_scalar_bf16() {
     check_dequantize::<bf16>();
+}
+
+/// The NEON loads of `x`, 8 at a time (`x.len()` a multiple of 8).
+#[cfg(target_arch = "aarch64")]
+fn neon_widened<T: neon::Load8>(x: &[T]) -> Vec<f32> {
+    use std::arch::aarch64::vst1q_f32;
+    let mut out = vec![0f32; x.len()];
+    for (o, c) in out.chunks_exact_mut(8).zip(x.chunks_exact(8)) {
+        // SAFETY: 8 elements each side; every aarch64 CPU has NEON.
+        unsafe {
+            let [a, b] = T::load8(c.as_ptr());
+            vst1q_f32(o.as_mut_ptr(), a);
+            vst1q_f32(o.as_mut_ptr().add(4), b);
+        }
+    }
+    out
+}
+
+/// Widened loads against `Input::to_f32`: bit for bit, NaN only as NaN.
+#[cfg(target_arch = "aarch64")]
+fn check_widened<T: neon::Load8 + crate::element::Input>(x: &[T]) {
+    for (i, (got, v)) in neon_widened(x).into_iter().zip(x).enumerate() {
+        let want = v.to_f32();
+        if want.is_nan() {
+            assert!(got.is_nan(), "element {i}: {got} for NaN");
+        } else {
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "element {i}: {got} for {want}"
+            );
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_loads_every_f16_and_bf16_exactly() {
+    let bits: Vec<u16> = (0..=u16::MAX).collect();
+    check_widened(&bits.iter().map(|&b| f16::from_bits(b)).collect::<Vec<_>>());
+    check_widened(&bits.iter().map(|&b| bf16::from_bits(b)).collect::<Vec<_>>());
+}
+
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_rounds_f64_like_as_f32() {
+    let mut rng = Rng(5);
+    let mut x = vec![
+        0.0,
+        -0.0,
+        f64::MIN_POSITIVE,
+        f64::MAX,
+        f64::INFINITY,
+        f64::NAN,
+        // Halfway from f32::MAX to 2^128 rounds to inf; just below it, to f32::MAX.
+        (2.0 - 2f64.powi(-24)) * 2f64.powi(127),
+        (2.0 - 2f64.powi(-24) - 2f64.powi(-40)) * 2f64.powi(127),
+    ];
+    while x.len() % 8 != 0 || x.len() < 4096 {
+        // Exact f32 values, halfway points between neighbours (ties to even), and near them.
+        let f = f32::from_bits(rng.next() as u32);
+        let f = if f.is_finite() { f as f64 } else { 1.0 };
+        let half_ulp = (f32::from_bits((f as f32).to_bits() + 1) as f64 - f) / 2.0;
+        x.extend([
+            f,
+            f + half_ulp,
+            f + half_ulp * (1.0 + 1e-9),
+            f + half_ulp * (1.0 - 1e-9),
+        ]);
+    }
+    x.truncate(x.len() / 8 * 8);
+    check_widened(&x);
 }
