@@ -354,7 +354,7 @@ fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
     kernels::KERNEL_SOURCES.iter().copied().collect()
 }
 
-/// The instruction set the kernels use on this CPU ("avx2" or "scalar").
+/// The instruction set the kernels use on this CPU ("avx2", "neon" or "scalar").
 #[pyfunction]
 fn simd_level() -> &'static str {
     crate::simd::level().name()

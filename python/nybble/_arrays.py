@@ -12,10 +12,20 @@ OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
+_NAMES: dict[np.dtype[Any], str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """'float32' for "float32", np.float32, np.dtype('float32'), ml_dtypes.bfloat16, ..."""
+    """'float32' for "float32", np.float32, np.dtype('float32'), ml_dtypes.bfloat16, ...
+    Remembered per dtype object: numpy computes `dtype.name` in Python, slowly enough to
+    show in the per-call cost of a GPU launch."""
     if isinstance(dtype, str):
         return dtype
+    if isinstance(dtype, np.dtype):
+        name = _NAMES.get(dtype)
+        if name is None:
+            name = _NAMES[dtype] = str(dtype.name)
+        return name
     try:
         return str(np.dtype(dtype).name)
     except TypeError:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import _arrays
+from .._arrays import dtype_name
 from ..tensor import CODEBOOKS, NESTED_BLOCKSIZE, NestedAbsmax, NF4Tensor, check_shape
 from . import _launch
 from ._launch import GEMV_MAX_TOKENS
@@ -83,9 +84,9 @@ def _ready(a: Any) -> Any:
 
 def _float_input(x: Any, what: str) -> Any:
     a = as_cupy(x, what)
-    if a.dtype.name not in _launch.DTYPES:
+    if dtype_name(a.dtype) not in _launch.DTYPES:
         raise ValueError(
-            f"{what} has dtype {a.dtype.name}; expected one of {', '.join(_launch.DTYPES)}"
+            f"{what} has dtype {dtype_name(a.dtype)}; expected one of {', '.join(_launch.DTYPES)}"
         )
     return a
 
@@ -111,16 +112,16 @@ def quantize(
 ) -> NF4Tensor:
     """`nybble.quantize` on the GPU: the same codes and scales as the CPU, bit for bit."""
     a = as_cupy(x)
-    if a.dtype.name not in _arrays.FLOAT_DTYPES:
+    if dtype_name(a.dtype) not in _arrays.FLOAT_DTYPES:
         raise ValueError(
-            f"x has dtype {a.dtype.name}; expected one of {', '.join(_arrays.FLOAT_DTYPES)}"
+            f"x has dtype {dtype_name(a.dtype)}; expected one of {', '.join(_arrays.FLOAT_DTYPES)}"
         )
     flat = _ready(a).reshape(-1)
-    if a.dtype.name == "float64":
+    if dtype_name(a.dtype) == "float64":
         flat = flat.astype(cp.float32)  # round to nearest, then quantize as f32
     codes, absmax = _launch.quantize(flat, blocksize, codebook)
     nested = double_quantize(absmax) if double_quant else None
-    orig = "float32" if a.dtype.name == "float64" else a.dtype.name
+    orig = "float32" if dtype_name(a.dtype) == "float64" else dtype_name(a.dtype)
     return NF4Tensor(codes, absmax, a.shape, blocksize, codebook, nested, orig)
 
 
@@ -289,7 +290,7 @@ def nf4_matmul(x: Any, q: NF4Tensor) -> Any:
     m = x2.shape[0]
     if 0 < m <= GEMV_MAX_TOKENS and _launch.gemv_supported(q.codebook, q.shape):
         return _gemv(x2, q).reshape(*lead, rows)
-    dtype = x2.dtype.name
+    dtype = dtype_name(x2.dtype)
     tiles = _row_tiles(q, dtype)
     if len(tiles) == 1:
         y = x2 @ _dense_rows(q, 0, rows, dtype).T
@@ -304,7 +305,7 @@ def nf4_matmul_t(dy: Any, q: NF4Tensor) -> Any:
     """dy @ dequantize(q) for dy [..., out] (the input gradient of `nf4_matmul`), summed in
     float32, returned in dy's dtype: the weight dequantized to dy's dtype and cuBLAS."""
     d2, lead = _matmul_input(dy, q, 0, "dy")
-    dtype = d2.dtype.name
+    dtype = dtype_name(d2.dtype)
     y: Any = None
     for r0, r1 in _row_tiles(q, dtype):  # several tiles only in float32: f32 partial sums
         part = d2[:, r0:r1] @ _dense_rows(q, r0, r1, dtype)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from .._arrays import dtype_name
 from ..tensor import NESTED_BLOCKSIZE, NestedAbsmax
 from . import _module
 
@@ -50,8 +51,8 @@ def check_array(a: Any, what: str, dtypes: tuple[str, ...], size: int | None = N
     (and `size` elements)."""
     if not isinstance(a, cp.ndarray):
         raise ValueError(f"{what}: expected a CuPy array, got {type(a).__name__}")
-    if a.dtype.name not in dtypes:
-        raise ValueError(f"{what}: expected dtype {' or '.join(dtypes)}, got {a.dtype.name}")
+    if dtype_name(a.dtype) not in dtypes:
+        raise ValueError(f"{what}: expected dtype {' or '.join(dtypes)}, got {dtype_name(a.dtype)}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{what}: expected a C-contiguous array, got strides {a.strides}")
     if a.data.ptr % 16:
@@ -174,7 +175,7 @@ def dequantize4(
         scales = _scale_args(absmax, nested, nblocks)
     if n == 0:
         return
-    name = out.dtype.name
+    name = dtype_name(out.dtype)
     args = (codes, *scales, table("values", codebook), np.int64(start), np.int64(n), log2_bs, out)
     grid = _grid(n, THREADS * STEPS * _VEC[name])
     _module.function(f"dequant4_{layout}_{_SUFFIX[name]}")(grid, (THREADS,), args)
@@ -204,7 +205,7 @@ def dequantize8(
     scales = _scale_args(absmax, nested, -(-total // blocksize))
     if n == 0:
         return
-    name = out.dtype.name
+    name = dtype_name(out.dtype)
     args = (codes, *scales, table("values", codebook), np.int64(start), np.int64(n), log2_bs, out)
     grid = _grid(n, THREADS * STEPS * _VEC[name])
     _module.function(f"dequant8_{_SUFFIX[name]}")(grid, (THREADS,), args)
@@ -239,8 +240,8 @@ def quantize(x: Any, blocksize: int, codebook: str, check_finite: bool = True) -
         absmax,
         first_bad,
     )
-    per_thread = 4 * _VEC[x.dtype.name]  # 64 bytes of input
-    kernel = _module.function(f"quantize_{codebook}_{_SUFFIX[x.dtype.name]}")
+    per_thread = 4 * _VEC[dtype_name(x.dtype)]  # 64 bytes of input
+    kernel = _module.function(f"quantize_{codebook}_{_SUFFIX[dtype_name(x.dtype)]}")
     kernel(_grid(n, THREADS * per_thread), (THREADS,), args)
     bad = int(first_bad.get()[0]) if check_finite else _NONE
     if bad != _NONE:
@@ -277,14 +278,14 @@ def gemv(
             f"x: expected shape (m, {cols}) with 1 <= m <= {GEMV_MAX_TOKENS}, got {x.shape}"
         )
     m = x.shape[0]
-    check_array(y, "y", (x.dtype.name,), m * rows)
+    check_array(y, "y", (dtype_name(x.dtype),), m * rows)
     if y.shape != (m, rows):
         raise ValueError(f"y: expected shape {(m, rows)}, got {y.shape}")
     check_array(codes, "codes", ("uint8",), rows * cols // 2)
     scales = _scale_args(absmax, nested, -(-(rows * cols) // blocksize))
     if rows == 0:
         return
-    kernel = _module.function(f"gemv_{_SUFFIX[x.dtype.name]}_m{m}")
+    kernel = _module.function(f"gemv_{_SUFFIX[dtype_name(x.dtype)]}_m{m}")
     args = (
         x,
         codes,
