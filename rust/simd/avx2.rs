@@ -5,9 +5,8 @@ use std::arch::x86_64::*;
 
 use half::{bf16, f16};
 
-use super::scalar::{self, Scale, NON_FINITE_BITS};
-use crate::codebook::{Format, NF4_MIDPOINTS, NF4_ZERO_CODE};
-use crate::layout::pack;
+use super::scalar;
+use crate::codebook::{Format, NF4_MIDPOINTS};
 
 /// Loads 8 consecutive elements widened (or rounded) to f32.
 pub trait Load8: Copy {
@@ -122,38 +121,17 @@ pub unsafe fn quantize_nf4<T: Load8 + crate::element::Input>(
     codes: &mut [u8],
     absmax: &mut [f32],
 ) -> Result<(), usize> {
-    let full = x.len() / bs;
-    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
     let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
-    for b in 0..full {
-        let p = x.as_ptr().add(b * bs);
+    let max_abs_bits = |p: *const T| {
         let mut m = _mm256_setzero_si256();
         for i in (0..bs).step_by(8) {
             let bits = _mm256_and_si256(_mm256_castps_si256(T::load8(p.add(i))), abs_mask);
             m = _mm256_max_epu32(m, bits);
         }
-        let bits = hmax_epu32(m);
-        if bits >= NON_FINITE_BITS {
-            let block = &x[b * bs..(b + 1) * bs];
-            return Err(b * bs + scalar::first_non_finite(block).expect("non-finite present"));
-        }
-        absmax[b] = f32::from_bits(bits);
-        let out = codes.as_mut_ptr().add(b * bs / 2);
-        match Scale::of(absmax[b]) {
-            Scale::Zero => std::ptr::write_bytes(out, pack(NF4_ZERO_CODE, NF4_ZERO_CODE), bs / 2),
-            Scale::Multiply(inv) => encode_nf4_block(p, bs, inv, false, out),
-            Scale::Divide(a) => encode_nf4_block(p, bs, a, true, out),
-        }
-    }
-    let done = full * bs;
-    scalar::quantize(
-        Format::Nf4,
-        &x[done..],
-        bs,
-        &mut codes[done / 2..],
-        &mut absmax[full..],
-    )
-    .map_err(|i| done + i)
+        hmax_epu32(m)
+    };
+    let encode = |p, factor, divide, out| encode_nf4_block(p, bs, factor, divide, out);
+    super::quantize_nf4_blocks(x, bs, codes, absmax, max_abs_bits, encode)
 }
 
 /// Stores 4-bit table lookups: 32 outputs from 16 bytes of packed codes.

@@ -104,6 +104,55 @@ pub trait SimdOutput: Output {}
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 impl<T: Output> SimdOutput for T {}
 
+/// The block loop of the SIMD NF4 quantizers, so that they differ only in vector code:
+/// `max_abs_bits(p)` is the largest `abs_bits` of the whole block at `p`, and
+/// `encode(p, factor, divide, out)` writes its `bs / 2` code bytes (`x * factor`, or
+/// `x / factor` when `divide`). The partial last block goes to the scalar kernel.
+///
+/// # Safety
+/// The two functions must be safe to call on every whole block of `x`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn quantize_nf4_blocks<T: Input>(
+    x: &[T],
+    bs: usize,
+    codes: &mut [u8],
+    absmax: &mut [f32],
+    max_abs_bits: impl Fn(*const T) -> u32,
+    encode: impl Fn(*const T, f32, bool, *mut u8),
+) -> Result<(), usize> {
+    use crate::codebook::{Format, NF4_ZERO_CODE};
+    use crate::layout::pack;
+    use scalar::{Scale, NON_FINITE_BITS};
+
+    let full = x.len() / bs;
+    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
+    for b in 0..full {
+        let p = x.as_ptr().add(b * bs);
+        let bits = max_abs_bits(p);
+        if bits >= NON_FINITE_BITS {
+            let block = &x[b * bs..(b + 1) * bs];
+            return Err(b * bs + scalar::first_non_finite(block).expect("non-finite present"));
+        }
+        absmax[b] = f32::from_bits(bits);
+        let out = codes.as_mut_ptr().add(b * bs / 2);
+        match Scale::of(absmax[b]) {
+            Scale::Zero => std::ptr::write_bytes(out, pack(NF4_ZERO_CODE, NF4_ZERO_CODE), bs / 2),
+            Scale::Multiply(inv) => encode(p, inv, false, out),
+            Scale::Divide(a) => encode(p, a, true, out),
+        }
+    }
+    let done = full * bs;
+    scalar::quantize(
+        Format::Nf4,
+        &x[done..],
+        bs,
+        &mut codes[done / 2..],
+        &mut absmax[full..],
+    )
+    .map_err(|i| done + i)
+}
+
 /// NF4-quantizes blocks at `level`.
 pub fn quantize_nf4<T: SimdInput>(
     level: Level,

@@ -8,10 +8,9 @@ use std::arch::aarch64::*;
 
 use half::{bf16, f16};
 
-use super::scalar::{self, Scale, NON_FINITE_BITS};
-use crate::codebook::{Format, NF4_MIDPOINTS, NF4_ZERO_CODE};
+use super::scalar;
+use crate::codebook::{Format, NF4_MIDPOINTS};
 use crate::element::{Input, Output};
-use crate::layout::pack;
 
 /// Loads 8 consecutive elements widened (or rounded) to f32, as two vectors of 4.
 pub trait Load8: Copy {
@@ -105,7 +104,7 @@ unsafe fn pack32(c: &[uint32x4_t; 8], out: *mut u8) {
     let b1 = vcombine_u8(vmovn_u16(h(c[4], c[5])), vmovn_u16(h(c[6], c[7])));
     let even = vuzp1q_u8(b0, b1);
     let odd = vuzp2q_u8(b0, b1);
-    // (odd << 4) | (even & 0x0F), i.e. `pack(even, odd)`.
+    // (odd << 4) | (even & 0x0F), i.e. `layout::pack(even, odd)`.
     vst1q_u8(out, vsliq_n_u8::<4>(even, odd));
 }
 
@@ -148,39 +147,18 @@ pub unsafe fn quantize_nf4<T: Load8 + Input>(
     codes: &mut [u8],
     absmax: &mut [f32],
 ) -> Result<(), usize> {
-    let full = x.len() / bs;
-    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
     let abs_mask = vdupq_n_u32(0x7FFF_FFFF);
-    for b in 0..full {
-        let p = x.as_ptr().add(b * bs);
+    let max_abs_bits = |p: *const T| {
         let mut m = vdupq_n_u32(0);
         for i in (0..bs).step_by(8) {
             for v in T::load8(p.add(i)) {
                 m = vmaxq_u32(m, vandq_u32(vreinterpretq_u32_f32(v), abs_mask));
             }
         }
-        let bits = vmaxvq_u32(m);
-        if bits >= NON_FINITE_BITS {
-            let block = &x[b * bs..(b + 1) * bs];
-            return Err(b * bs + scalar::first_non_finite(block).expect("non-finite present"));
-        }
-        absmax[b] = f32::from_bits(bits);
-        let out = codes.as_mut_ptr().add(b * bs / 2);
-        match Scale::of(absmax[b]) {
-            Scale::Zero => std::ptr::write_bytes(out, pack(NF4_ZERO_CODE, NF4_ZERO_CODE), bs / 2),
-            Scale::Multiply(inv) => encode_nf4_block(p, bs, inv, false, out),
-            Scale::Divide(a) => encode_nf4_block(p, bs, a, true, out),
-        }
-    }
-    let done = full * bs;
-    scalar::quantize(
-        Format::Nf4,
-        &x[done..],
-        bs,
-        &mut codes[done / 2..],
-        &mut absmax[full..],
-    )
-    .map_err(|i| done + i)
+        vmaxvq_u32(m)
+    };
+    let encode = |p, factor, divide, out| encode_nf4_block(p, bs, factor, divide, out);
+    super::quantize_nf4_blocks(x, bs, codes, absmax, max_abs_bits, encode)
 }
 
 /// Stores 4-bit table lookups: 32 outputs from 16 bytes of packed codes.
