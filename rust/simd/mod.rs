@@ -153,6 +153,43 @@ unsafe fn quantize_nf4_blocks<T: Input>(
     .map_err(|i| done + i)
 }
 
+/// The block loop of the SIMD 4-bit dequantizers: per whole block, `table(values, absmax)`
+/// prepares the scaled codebook and `store32(table, codes, out)` writes 32 outputs from 16
+/// code bytes. The partial last block goes to the scalar kernel.
+///
+/// # Safety
+/// The two functions must be safe to call on every whole block of `out`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+unsafe fn dequantize_4bit_blocks<O: Output, Table: Copy>(
+    format: crate::codebook::Format,
+    codes: &[u8],
+    absmax: &[f32],
+    bs: usize,
+    out: &mut [O],
+    table: impl Fn(&[f32; 16], f32) -> Table,
+    store32: impl Fn(Table, *const u8, *mut O),
+) {
+    let values = format.table16().expect("a 4-bit format");
+    let full = out.len() / bs;
+    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
+    for (b, &a) in absmax.iter().enumerate().take(full) {
+        let t = table(values, a);
+        for i in (0..bs).step_by(32) {
+            let e = b * bs + i;
+            store32(t, codes.as_ptr().add(e / 2), out.as_mut_ptr().add(e));
+        }
+    }
+    let done = full * bs;
+    scalar::dequantize(
+        format,
+        &codes[done / 2..],
+        &absmax[full..],
+        bs,
+        &mut out[done..],
+    );
+}
+
 /// NF4-quantizes blocks at `level`.
 pub fn quantize_nf4<T: SimdInput>(
     level: Level,

@@ -8,7 +8,6 @@ use std::arch::aarch64::*;
 
 use half::{bf16, f16};
 
-use super::scalar;
 use crate::codebook::{Format, NF4_MIDPOINTS};
 use crate::element::{Input, Output};
 
@@ -278,22 +277,7 @@ pub unsafe fn dequantize_4bit<O: StoreTable>(
     bs: usize,
     out: &mut [O],
 ) {
-    let values = format.table16().expect("a 4-bit format");
-    let full = out.len() / bs;
-    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
-    for (b, &a) in absmax.iter().enumerate().take(full) {
-        let t = O::table(values, a);
-        for i in (0..bs).step_by(32) {
-            let e = b * bs + i;
-            O::store32(t, codes.as_ptr().add(e / 2), out.as_mut_ptr().add(e));
-        }
-    }
-    let done = full * bs;
-    scalar::dequantize(
-        format,
-        &codes[done / 2..],
-        &absmax[full..],
-        bs,
-        &mut out[done..],
-    );
+    let table = |values: &[f32; 16], a| O::table(values, a);
+    let store32 = |t, codes, out| O::store32(t, codes, out);
+    super::dequantize_4bit_blocks(format, codes, absmax, bs, out, table, store32)
 }
