@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,14 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     else:
         assert rc == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_closed_pipe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nybble estimate ... | head`: the reader leaving early ends the command quietly."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["estimate", "tiny", "--json"]) == 0

@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 bad input (one clear line on stderr, no traceback), 2 u
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error of ours
+        sys.stdout = open(os.devnull, "w")  # nothing more reaches the closed pipe at exit
+        return 0
     except (CliError, ValueError, KeyError, OSError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"nybble {args.command}: error: {message}", file=sys.stderr)
