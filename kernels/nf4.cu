@@ -436,6 +436,16 @@ QUANTIZE_ALL_INPUTS(fp4, FP4)
 QUANTIZE_ALL_INPUTS(int8, INT8)
 QUANTIZE_ALL_INPUTS(dynamic8, DYNAMIC8)
 
+// ---- float64 -> float32 ---------------------------------------------------------------------
+
+// Rounded to nearest even as numpy's astype does, subnormal results kept: CuPy's own astype
+// is compiled with -ftz=true and flushes them to zero.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    narrow_f64(const double* __restrict__ x, i64 n, float* __restrict__ y) {
+    const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (i < n) y[i] = __double2float_rn(x[i]);
+}
+
 // ---- fused 4-bit GEMV: y[t, r] = sum_k x[t, k] * W[r, k] for M <= 4 tokens -------------------
 
 // A block computes GEMV_ROWS rows of W [rows, cols] (split layout, cols a multiple of 32). Its

@@ -308,3 +308,14 @@ def test_public_functions_reject_bad_arguments() -> None:
         cuda.dequantize(q)
     with pytest.raises(ValueError, match="dtype must be one of"):
         q.cuda().dequantize("int8")
+
+
+def test_float64_input_keeps_float32_subnormals() -> None:
+    """f64 values that round to f32 subnormals: rounded as numpy rounds them, not flushed to
+    zero (CuPy's astype would flush them)."""
+    tiny = np.float64(np.finfo(np.float32).smallest_subnormal)
+    x = np.array([3 * tiny, 1e-40 * (1 + 2**-30), -7e-42, 0.0] * 16, np.float64)
+    np.testing.assert_array_equal(
+        cp.asnumpy(_launch.narrow_f64(cp.asarray(x))), x.astype(np.float32)
+    )
+    assert_same_tensor(nybble.quantize(cp.asarray(x)), nybble.quantize(x))

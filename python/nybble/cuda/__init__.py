@@ -118,7 +118,7 @@ def quantize(
         )
     flat = _ready(a).reshape(-1)
     if dtype_name(a.dtype) == "float64":
-        flat = flat.astype(cp.float32)  # round to nearest, then quantize as f32
+        flat = _launch.narrow_f64(flat)  # round to nearest, then quantize as f32
     codes, absmax = _launch.quantize(flat, blocksize, codebook)
     nested = double_quantize(absmax) if double_quant else None
     orig = "float32" if dtype_name(a.dtype) == "float64" else dtype_name(a.dtype)

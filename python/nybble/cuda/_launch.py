@@ -40,7 +40,7 @@ def kernel_names() -> list[str]:
     names += [f"dequant8_{s}" for s in _SUFFIX.values()]
     names += [f"quantize_{f}_{s}" for f in QUANT_FORMATS for s in _SUFFIX.values()]
     names += [f"gemv_{s}_m{m}" for s in _SUFFIX.values() for m in range(1, GEMV_MAX_TOKENS + 1)]
-    return names
+    return [*names, "narrow_f64"]
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -247,6 +247,18 @@ def quantize(x: Any, blocksize: int, codebook: str, check_finite: bool = True) -
     if bad != _NONE:
         raise ValueError(f"input has a non-finite value (NaN or inf) at flat index {bad}")
     return codes, absmax
+
+
+def narrow_f64(x: Any) -> Any:
+    """A flat float64 array rounded to float32 (nearest even), keeping subnormal results,
+    which CuPy's `astype` flushes to zero."""
+    check_array(x, "x", ("float64",))
+    if x.ndim != 1:
+        raise ValueError(f"x: expected a flat array, got shape {x.shape}")
+    y = cp.empty(x.size, cp.float32)
+    if x.size:
+        _module.function("narrow_f64")(_grid(x.size, THREADS), (THREADS,), (x, np.int64(x.size), y))
+    return y
 
 
 def gemv_supported(codebook: str, shape: tuple[int, ...]) -> bool:
