@@ -319,3 +319,13 @@ def test_float64_input_keeps_float32_subnormals() -> None:
         cp.asnumpy(_launch.narrow_f64(cp.asarray(x))), x.astype(np.float32)
     )
     assert_same_tensor(nybble.quantize(cp.asarray(x)), nybble.quantize(x))
+
+
+def test_double_quant_of_subnormal_scales() -> None:
+    """Scales and their differences from the mean in the subnormal range: the same nested
+    codes as the CPU (CuPy's arithmetic would flush the differences to zero)."""
+    rng = np.random.default_rng(3)
+    x = (rng.uniform(0.5, 1.5, 64 * 512) * 1e-39).astype(np.float32)
+    x[::7] *= -1
+    got = nybble.quantize(cp.asarray(x), double_quant=True)
+    assert_same_tensor(got, nybble.quantize(x, double_quant=True))

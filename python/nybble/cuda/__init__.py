@@ -128,14 +128,16 @@ def quantize(
 def double_quantize(absmax: Any) -> NestedAbsmax:
     """Scales -> NestedAbsmax, as `reference.double_quantize`: the offset is the float32 of
     the float64 sum taken in order over n (computed on the host, where that order is cheap),
-    then `absmax - offset` is quantized blockwise (256) with the dynamic map on the GPU."""
+    then `absmax - offset` (also on the host) is quantized blockwise (256) with the dynamic
+    map on the GPU."""
     absmax = cp.asarray(absmax, dtype=cp.float32)
     host = cp.asnumpy(absmax)
     if not (np.isfinite(host) & (host >= 0)).all():
         raise ValueError("absmax: scales must be finite and >= 0")
     total = np.cumsum(host, dtype=np.float64)[-1] if host.size else 0.0
     offset = np.float32(total / max(host.size, 1))
-    centered = _ready(absmax - offset)  # finite: the scales of a finite tensor
+    # On the host too: CuPy's arithmetic flushes subnormal differences to zero (-ftz=true).
+    centered = _ready(cp.asarray(host - offset))  # finite: the scales of a finite tensor
     codes, absmax2 = _launch.quantize(centered, NESTED_BLOCKSIZE, "dynamic8", check_finite=False)
     return NestedAbsmax(codes, absmax2, float(offset))
 
