@@ -436,6 +436,17 @@ QUANTIZE_ALL_INPUTS(fp4, FP4)
 QUANTIZE_ALL_INPUTS(int8, INT8)
 QUANTIZE_ALL_INPUTS(dynamic8, DYNAMIC8)
 
+// ---- the scales of double quantization, decoded ---------------------------------------------
+
+// out[b] = the scale of block b, for every block (what Scales gives the dequantize kernels:
+// one definition of the rounding, and no flush to zero as CuPy's own arithmetic would).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    decode_scales(SCALE_PARAMS, i64 n, float* __restrict__ out) {
+    const Scales scale = SCALE_ARGS;
+    const i64 b = (i64)blockIdx.x * THREADS + threadIdx.x;
+    if (b < n) out[b] = scale(b);
+}
+
 // ---- float64 -> float32 ---------------------------------------------------------------------
 
 // Rounded to nearest even as numpy's astype does, subnormal results kept: CuPy's own astype

@@ -323,9 +323,13 @@ def test_float64_input_keeps_float32_subnormals() -> None:
 
 def test_double_quant_of_subnormal_scales() -> None:
     """Scales and their differences from the mean in the subnormal range: the same nested
-    codes as the CPU (CuPy's arithmetic would flush the differences to zero)."""
+    codes, decoded scales and values as the CPU (CuPy's arithmetic would flush them to 0)."""
     rng = np.random.default_rng(3)
     x = (rng.uniform(0.5, 1.5, 64 * 512) * 1e-39).astype(np.float32)
     x[::7] *= -1
     got = nybble.quantize(cp.asarray(x), double_quant=True)
-    assert_same_tensor(got, nybble.quantize(x, double_quant=True))
+    want = nybble.quantize(x, double_quant=True)
+    assert_same_tensor(got, want)
+    assert got.nested is not None and want.nested is not None
+    np.testing.assert_array_equal(bits(got.nested.decode()), bits(want.nested.decode()))
+    np.testing.assert_array_equal(bits(got.dequantize()), bits(want.dequantize()))

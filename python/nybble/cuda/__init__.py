@@ -97,11 +97,13 @@ def _on_device(q: NF4Tensor) -> NF4Tensor:
     return q
 
 
-def _nested_ready(nested: NestedAbsmax | None) -> NestedAbsmax | None:
-    if nested is None:
-        return None
+def _nested_on_device(nested: NestedAbsmax) -> NestedAbsmax:
     codes, absmax2 = (_ready(cp.asarray(a)) for a in (nested.codes, nested.absmax2))
     return NestedAbsmax(codes, absmax2, nested.offset)
+
+
+def _nested_ready(nested: NestedAbsmax | None) -> NestedAbsmax | None:
+    return None if nested is None else _nested_on_device(nested)
 
 
 # --- the codec ---------------------------------------------------------------------------
@@ -145,10 +147,9 @@ def double_quantize(absmax: Any) -> NestedAbsmax:
 def double_dequantize(nested: NestedAbsmax) -> Any:
     """map[code] * absmax2[i // 256] + offset in float32, rounded after each operation."""
     n = int(nested.codes.size)
-    scaled = cp.empty(n, cp.float32)
-    codes, absmax2 = (_ready(cp.asarray(a)) for a in (nested.codes, nested.absmax2))
-    _launch.dequantize8(codes, absmax2, None, "dynamic8", NESTED_BLOCKSIZE, n, 0, scaled)
-    return scaled + np.float32(nested.offset)
+    out = cp.empty(n, cp.float32)
+    _launch.decode_scales(_nested_on_device(nested), n, out)
+    return out
 
 
 def _dequantize_into(q: NF4Tensor, start: int, out: Any) -> None:

@@ -40,7 +40,7 @@ def kernel_names() -> list[str]:
     names += [f"dequant8_{s}" for s in _SUFFIX.values()]
     names += [f"quantize_{f}_{s}" for f in QUANT_FORMATS for s in _SUFFIX.values()]
     names += [f"gemv_{s}_m{m}" for s in _SUFFIX.values() for m in range(1, GEMV_MAX_TOKENS + 1)]
-    return [*names, "narrow_f64"]
+    return [*names, "narrow_f64", "decode_scales"]
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -247,6 +247,15 @@ def quantize(x: Any, blocksize: int, codebook: str, check_finite: bool = True) -
     if bad != _NONE:
         raise ValueError(f"input has a non-finite value (NaN or inf) at flat index {bad}")
     return codes, absmax
+
+
+def decode_scales(nested: NestedAbsmax, n: int, out: Any) -> None:
+    """out[b] = the float32 scale of block b < n of a double-quantized tensor."""
+    check_array(out, "out", ("float32",), n)
+    scales = _scale_args(None, nested, n)
+    if n:
+        kernel = _module.function("decode_scales")
+        kernel(_grid(n, THREADS), (THREADS,), (*scales, np.int64(n), out))
 
 
 def narrow_f64(x: Any) -> Any:
