@@ -459,17 +459,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 // ---- fused 4-bit GEMV: y[t, r] = sum_k x[t, k] * W[r, k] for M <= 4 tokens -------------------
 
-// A block computes GEMV_ROWS rows of W [rows, cols] (split layout, cols a multiple of 32). Its
-// threads take 32-element chunks (16 code bytes, one scale) of those rows, thread t the chunks
-// t, t + GEMV_THREADS, ...: a warp reads 512 contiguous bytes of a row, and a row of 4096
-// elements is one chunk per thread, all loads in flight at once. Many short blocks rather than
-// a few long ones: the GEMV reads each byte once, so what bounds it is how much memory traffic
-// is in flight, and short blocks leave no tail of idle SMs. Each chunk is decoded through the
-// codebook in shared memory and multiplied by all M tokens (the 4-bit weight is read once for
-// all tokens, each load of x serves GEMV_ROWS rows); the scale multiplies the chunk's partial
-// sum, not each weight. With more chunks than threads, the next GEMV_UNROLL chunks are loaded
-// before the current ones are decoded. The sums meet through warp shuffles and shared memory.
-// The launcher (nybble.cuda._launch) knows GEMV_THREADS and GEMV_ROWS.
 // The shared-memory address of p (its offset in the block's shared window).
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 a;
@@ -486,8 +475,8 @@ __device__ __forceinline__ float load_shared(u32 address) {
 // The 8 codebook values of a word of codes (element j in nibble j), looked up in a 16-entry
 // table at `lut` in shared memory, 256-byte aligned. The shared address of entry c is lut | 4c:
 // one byte permute per element builds it from a word holding 4c in each byte, which two
-// shift-and-masks make for 4 elements at once (the compiler's own indexing takes 3 instructions
-// per element, and the GEMV is bound by instruction issue, not by memory).
+// shift-and-masks make for 4 elements at once (the compiler's own indexing takes 3
+// instructions per element).
 __device__ __forceinline__ void decode8(u32 word, u32 lut, float* v) {
     const u32 even = (word << 2) & 0x3c3c3c3cu;  // byte k: 4 * element 2k
     const u32 odd = (word >> 2) & 0x3c3c3c3cu;   // byte k: 4 * element 2k + 1
@@ -498,6 +487,18 @@ __device__ __forceinline__ void decode8(u32 word, u32 lut, float* v) {
     }
 }
 
+// A block computes GEMV_ROWS rows of W [rows, cols] (split layout, cols a multiple of 32). Its
+// threads take 32-element chunks (16 code bytes, one scale) of those rows, thread t the chunks
+// t, t + GEMV_THREADS, ...: a warp reads 512 contiguous bytes of a row, and a row of 4096
+// elements is one chunk per thread, all its loads in flight at once. Each chunk is decoded
+// through the codebook in shared memory and multiplied by all M tokens (the 4-bit weight is
+// read once for all tokens, each load of x serves GEMV_ROWS rows); the scale multiplies the
+// chunk's partial sum, not each weight. With more chunks than threads, the next GEMV_UNROLL
+// chunks are loaded before the current ones are decoded. The sums meet through warp shuffles
+// and shared memory. The parameters are the fastest of benchmarks/gemv_tune.py's sweep on an
+// H100, where the kernel is bound by latency (few warps per scheduler, each waiting on memory,
+// shared-memory lookups and dependent instructions), not by DRAM bandwidth. The launcher
+// (nybble.cuda._launch) knows GEMV_THREADS and GEMV_ROWS.
 #ifndef GEMV_THREADS
 #define GEMV_THREADS 128
 #endif
