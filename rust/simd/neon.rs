@@ -235,35 +235,26 @@ unsafe fn store32_u16(t: uint8x16x2_t, codes: *const u8, out: *mut u8) {
     }
 }
 
-impl StoreTable for f16 {
-    type Table = uint8x16x2_t;
+/// The 16-bit outputs: a 32-byte table of their bits, looked up two bytes per element.
+macro_rules! store_table_16 {
+    ($($t:ty),*) => {$(
+        impl StoreTable for $t {
+            type Table = uint8x16x2_t;
 
-    #[inline(always)]
-    unsafe fn table(values: &[f32; 16], absmax: f32) -> Self::Table {
-        let t = scaled_outputs::<f16>(values, absmax);
-        vld1q_u8_x2(t.as_ptr() as *const u8)
-    }
+            #[inline(always)]
+            unsafe fn table(values: &[f32; 16], absmax: f32) -> Self::Table {
+                let t = scaled_outputs::<$t>(values, absmax);
+                vld1q_u8_x2(t.as_ptr() as *const u8)
+            }
 
-    #[inline(always)]
-    unsafe fn store32(t: Self::Table, codes: *const u8, out: *mut f16) {
-        store32_u16(t, codes, out as *mut u8)
-    }
+            #[inline(always)]
+            unsafe fn store32(t: Self::Table, codes: *const u8, out: *mut $t) {
+                store32_u16(t, codes, out as *mut u8)
+            }
+        }
+    )*};
 }
-
-impl StoreTable for bf16 {
-    type Table = uint8x16x2_t;
-
-    #[inline(always)]
-    unsafe fn table(values: &[f32; 16], absmax: f32) -> Self::Table {
-        let t = scaled_outputs::<bf16>(values, absmax);
-        vld1q_u8_x2(t.as_ptr() as *const u8)
-    }
-
-    #[inline(always)]
-    unsafe fn store32(t: Self::Table, codes: *const u8, out: *mut bf16) {
-        store32_u16(t, codes, out as *mut u8)
-    }
-}
+store_table_16!(f16, bf16);
 
 /// Dequantization of 4-bit blocks through a 16-entry table (see `scalar::dequantize`).
 ///
