@@ -114,16 +114,15 @@ def quantize(
 ) -> NF4Tensor:
     """`nybble.quantize` on the GPU: the same codes and scales as the CPU, bit for bit."""
     a = as_cupy(x)
-    if dtype_name(a.dtype) not in _arrays.FLOAT_DTYPES:
-        raise ValueError(
-            f"x has dtype {dtype_name(a.dtype)}; expected one of {', '.join(_arrays.FLOAT_DTYPES)}"
-        )
+    orig = dtype_name(a.dtype)
+    if orig not in _arrays.FLOAT_DTYPES:
+        raise ValueError(f"x has dtype {orig}; expected one of {', '.join(_arrays.FLOAT_DTYPES)}")
     flat = _ready(a).reshape(-1)
-    if dtype_name(a.dtype) == "float64":
+    if orig == "float64":
         flat = _launch.narrow_f64(flat)  # round to nearest, then quantize as f32
+        orig = "float32"
     codes, absmax = _launch.quantize(flat, blocksize, codebook)
     nested = double_quantize(absmax) if double_quant else None
-    orig = "float32" if dtype_name(a.dtype) == "float64" else dtype_name(a.dtype)
     return NF4Tensor(codes, absmax, a.shape, blocksize, codebook, nested, orig)
 
 
@@ -132,8 +131,7 @@ def double_quantize(absmax: Any) -> NestedAbsmax:
     the float64 sum taken in order over n (computed on the host, where that order is cheap),
     then `absmax - offset` (also on the host) is quantized blockwise (256) with the dynamic
     map on the GPU."""
-    absmax = cp.asarray(absmax, dtype=cp.float32)
-    host = cp.asnumpy(absmax)
+    host = np.asarray(cp.asnumpy(absmax), dtype=np.float32)
     if not (np.isfinite(host) & (host >= 0)).all():
         raise ValueError("absmax: scales must be finite and >= 0")
     total = np.cumsum(host, dtype=np.float64)[-1] if host.size else 0.0
@@ -211,30 +209,21 @@ def dequantize_bnb(
     return out
 
 
-def to_cpu(q: NF4Tensor) -> NF4Tensor:
-    if q.device == "cpu":
-        return q
+def _moved(q: NF4Tensor, move: Any) -> NF4Tensor:
+    """q with every array passed through `move` (to the host or to the device)."""
     nested = None
     if q.nested is not None:
-        nested = NestedAbsmax(
-            cp.asnumpy(q.nested.codes), cp.asnumpy(q.nested.absmax2), q.nested.offset
-        )
-    absmax = None if nested is not None else cp.asnumpy(q.absmax)
-    codes = cp.asnumpy(q.codes)
-    return NF4Tensor(codes, absmax, q.shape, q.blocksize, q.codebook, nested, q.orig_dtype)
+        nested = NestedAbsmax(move(q.nested.codes), move(q.nested.absmax2), q.nested.offset)
+    absmax = None if nested is not None else move(q.absmax)
+    return NF4Tensor(move(q.codes), absmax, q.shape, q.blocksize, q.codebook, nested, q.orig_dtype)
+
+
+def to_cpu(q: NF4Tensor) -> NF4Tensor:
+    return q if q.device == "cpu" else _moved(q, cp.asnumpy)
 
 
 def to_cuda(q: NF4Tensor) -> NF4Tensor:
-    if q.device == "cuda":
-        return q
-    nested = None
-    if q.nested is not None:
-        nested = NestedAbsmax(
-            cp.asarray(q.nested.codes), cp.asarray(q.nested.absmax2), q.nested.offset
-        )
-    absmax = None if nested is not None else cp.asarray(q.absmax)
-    codes = cp.asarray(q.codes)
-    return NF4Tensor(codes, absmax, q.shape, q.blocksize, q.codebook, nested, q.orig_dtype)
+    return q if q.device == "cuda" else _moved(q, cp.asarray)
 
 
 # --- matmuls with a 4-bit weight W [out, in] -----------------------------------------------

@@ -299,14 +299,15 @@ def gemv(
             f"x: expected shape (m, {cols}) with 1 <= m <= {GEMV_MAX_TOKENS}, got {x.shape}"
         )
     m = x.shape[0]
-    check_array(y, "y", (dtype_name(x.dtype),), m * rows)
+    name = dtype_name(x.dtype)
+    check_array(y, "y", (name,), m * rows)
     if y.shape != (m, rows):
         raise ValueError(f"y: expected shape {(m, rows)}, got {y.shape}")
     check_array(codes, "codes", ("uint8",), rows * cols // 2)
     scales = _scale_args(absmax, nested, -(-(rows * cols) // blocksize))
     if rows == 0:
         return
-    kernel = _module.function(f"gemv_{_SUFFIX[dtype_name(x.dtype)]}_m{m}")
+    kernel = _module.function(f"gemv_{_SUFFIX[name]}_m{m}")
     args = (
         x,
         codes,
