@@ -216,6 +216,24 @@ def config_matrix() -> list[dict[str, Any]]:
     return out
 
 
+#: Configurations whose allocator events are recorded with `--trace` (the allocator model of
+#: the estimator is built and checked against them): each kind of peak, GQA and MHA.
+TRACE_CONFIGS = [
+    dict(arch="tiny", layers=2, batch=1, seq=128, gc=True),
+    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=512, gc=True),
+    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=2048, gc=False),
+    dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True),
+    dict(arch="qwen3-4b", layers=4, batch=2, seq=512, gc=False),
+    dict(arch="llama-3.1-8b", layers=4, batch=1, seq=2048, gc=False),
+    dict(arch="mistral-7b", layers=4, batch=1, seq=2048, gc=False),
+    dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=True),
+]
+#: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
+#: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS.
+MARK = 777_001
+MARK_POINTS = ("after_load", "after_prepare", "after_peft", "step1", "step2", "step2_end")
+
+
 # --- a rough, deliberately generous estimate used only to admit concurrent runs ----------
 
 
@@ -371,6 +389,18 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
             rec[tag] = dict(
                 allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved()
             )
+            mark(tag)
+
+    tracing = cuda and bool(c.get("trace"))
+
+    def mark(tag: str) -> None:
+        if tracing and tag in MARK_POINTS:
+            torch.empty(MARK + MARK_POINTS.index(tag), dtype=torch.uint8, device="cuda")
+
+    if tracing:
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="alloc", stacks="python", max_entries=4_000_000
+        )
 
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -448,6 +478,8 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        if step in (1, 2):
+            mark(f"step{step}")
         phase("start")
         loss = model(**batch).loss
         phase("forward")
@@ -459,6 +491,10 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
         rec[f"loss{step}"] = float(loss.detach())
         del loss
         phase("end")
+        if step == 2 and tracing:
+            mark("step2_end")
+            rec["trace_file"] = write_trace(c, torch.cuda.memory._snapshot(), Path(c["trace"]))
+            torch.cuda.memory._record_memory_history(enabled=None)
         if cuda:
             stats = torch.cuda.memory_stats()
             rec[f"step{step}"] = dict(
@@ -482,6 +518,49 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
         rec["nvml_process_end"] = nvml_process_bytes(pid)
         rec["measured_total"] = rec["step2"]["peak_reserved"] + (rec["context_bytes"] or 0)
     return rec
+
+
+def _frame_tag(frames: list[dict[str, Any]]) -> str:
+    """The innermost two Python frames outside torch's own plumbing, as file:line:function."""
+    keep = []
+    for f in frames:
+        name = f.get("filename", "")
+        if "torch/cuda/memory" in name or "torch/utils/_" in name or "<" in name:
+            continue
+        keep.append(f"{Path(name).name}:{f.get('line')}:{f.get('name')}")
+        if len(keep) == 2:
+            break
+    return " < ".join(keep)
+
+
+def write_trace(c: dict[str, Any], snapshot: dict[str, Any], root: Path) -> str:
+    """The allocator events of the device as compact JSON (gzip): one [action, address, size,
+    tag] per event, tags interned; plus the segments at the end."""
+    import gzip
+
+    actions = {"alloc": 0, "free_requested": 1, "free_completed": 2, "segment_alloc": 3}
+    actions.update(segment_free=4, segment_map=5, segment_unmap=6, oom=7, snapshot=8)
+    tags: dict[str, int] = {}
+    events = []
+    for e in snapshot["device_traces"][0]:
+        tag = _frame_tag(e.get("frames") or [])
+        events.append(
+            [actions.get(e["action"], 9), e["addr"], e["size"], tags.setdefault(tag, len(tags))]
+        )
+    segments = [[s["address"], s["total_size"], s["allocated_size"]] for s in snapshot["segments"]]
+    name = "{arch}-L{layers}-b{batch}-s{seq}-gc{gc:d}.json.gz".format(**c)
+    root.mkdir(parents=True, exist_ok=True)
+    doc = dict(
+        config={k: v for k, v in c.items() if k != "trace"},
+        actions=list(actions),
+        marks=[MARK, *MARK_POINTS],
+        tags=list(tags),
+        events=events,
+        segments=segments,
+    )
+    with gzip.open(root / name, "wt") as f:
+        json.dump(doc, f, separators=(",", ":"))
+    return name
 
 
 SDPA_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
@@ -531,6 +610,11 @@ def main() -> int:
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--only", default=None, help="comma-separated architectures")
     ap.add_argument("--smoke", action="store_true", help="two tiny configs on the CPU")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="record the allocator events of TRACE_CONFIGS into OUT/traces.tar instead",
+    )
     args = ap.parse_args()
 
     t_start = time.time()
@@ -542,6 +626,8 @@ def main() -> int:
     configs = config_matrix()
     if args.smoke:
         configs = [c for c in configs if c["arch"] == "tiny"]
+    if args.trace:
+        configs = [dict(c, trace=str(out / "traces")) for c in TRACE_CONFIGS]
     if args.only:
         keep = set(args.only.split(","))
         configs = [c for c in configs if c["arch"] in keep]
@@ -636,6 +722,12 @@ def main() -> int:
     if ck.is_alive():
         ck.kill()
     print(f"finished in {time.time() - t_start:.1f}s", flush=True)
+    if args.trace and (out / "traces").is_dir():
+        import tarfile
+
+        with tarfile.open(out / "traces.tar", "w") as tar:
+            tar.add(out / "traces", arcname="traces")
+        shutil.rmtree(out / "traces")
     print_summary(result_path)
     return 0
 

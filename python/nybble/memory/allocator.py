@@ -216,6 +216,7 @@ class CachingAllocator:
         self._segment_heads: dict[int, _Block] = {}
         self._segment_sizes: dict[int, int] = {}
         self._next_address = _SEGMENT_ALIGN  # 0 stays the null handle
+        self._placed_address: int | None = None
         self._allocation = _stat_array()
         self._segment = _stat_array()
         self._allocated_bytes = _stat_array()
@@ -384,6 +385,13 @@ class CachingAllocator:
                 nxt.next.prev = block
         self._insert_free(block)
 
+    def place_next_segment(self, address: int) -> None:
+        """Give the next segment cudaMalloc'd this address: a replay of a real trace uses the
+        real addresses, which decide which of two equal free blocks a request takes."""
+        if address <= 0 or address in self._segment_sizes:
+            raise ValueError(f"address {address:#x} is null or a live segment's")
+        self._placed_address = address
+
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): release_cached_blocks."""
         self._release_cached_blocks()
@@ -434,9 +442,11 @@ class CachingAllocator:
             self.num_alloc_retries += 1
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
-        addr = self._next_address
-        span = -(-alloc_size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
-        self._next_address += span
+        if self._placed_address is not None:
+            addr, self._placed_address = self._placed_address, None
+        else:
+            addr = self._next_address
+            self._next_address += -(-alloc_size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
         block = _Block(addr, alloc_size, stream, small)
         self._segment_heads[addr] = block
         self._segment_sizes[addr] = alloc_size
