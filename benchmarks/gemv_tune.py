@@ -1,12 +1,14 @@
-"""Times the fused 4-bit GEMV over its compile-time parameters (threads per block, rows per
-block, chunks in flight per thread) on this GPU: how the defaults in kernels/nf4.cu were chosen.
+"""Times the tensor-core 4-bit GEMV over its compile-time parameters (warps per block, stages,
+groups per stage) on this GPU: how the defaults in kernels/nf4.cu were chosen.
 
-    python benchmarks/gemv_tune.py [--configs 128:4:2,256:1:4] [--source OLD.cu] [--out-dir DIR]
+    python benchmarks/gemv_tune.py [--configs 8:4:16,8:3:32] [--old OLD.cu] [--out-dir DIR]
 
-Each configuration is compiled from the kernel source with -DGEMV_THREADS/-DGEMV_ROWS/
--DGEMV_UNROLL, checked against cuBLAS on the dequantized weight, and timed like
-gpu_codec.py (CUDA events behind a spin kernel, weights rotated past the L2 cache). `--source`
-times another version of the file too (its own #defines win), to compare before and after.
+Each configuration is compiled from the kernel source with -DTC_WARPS/-DTC_STAGES/
+-DTC_STAGE_GROUPS, checked
+against the float32 product of the dequantized weight, and timed like gpu_codec.py (CUDA events
+behind a spin kernel, weights rotated past the L2 cache). `--old` times the bf16 GEMV of another
+version of the file too (its gemv_bf16_m* kernels with 8 rows per block of 128 threads, the
+layout before the tensor-core GEMV), to compare before and after.
 """
 
 from __future__ import annotations
@@ -26,19 +28,36 @@ import nybble
 from nybble import cuda
 from nybble.cuda import _launch, _module
 
-DEFAULT_CONFIGS = "128:4:2,128:2:2,128:2:4,128:1:4,256:1:4,256:2:2,64:4:2,128:4:1,128:1:2"
+DEFAULT_CONFIGS = "8:3:16,8:4:16,8:2:32,4:4:16,4:3:32,8:5:16"
 
 
-def compile_module(source_text: str | None, config: tuple[int, int, int]) -> Any:
-    threads, rows, unroll = config
-    defines = [f"GEMV_THREADS={threads}", f"GEMV_ROWS={rows}", f"GEMV_UNROLL={unroll}"]
+def compile_module(source_text: str | None, defines: list[str]) -> Any:
     module = cuda_function.Module()
     module.load(_module.compile_cubin(cp.cuda.Device().compute_capability, source_text, defines))
     return module
 
 
-def launcher(module: Any, config: tuple[int, int, int], rows_per_block: int, x: Any, y: Any) -> Any:
-    threads = config[0]
+def tc_launcher(module: Any, config: tuple[int, int, int], x: Any, y: Any) -> Any:
+    warps, stages, stage_groups = config
+    kernels = {g: module.get_function(f"gemv_tc_bf16_g{g}") for g in (32, 64)}
+    smem = {g: _launch.tc_shared_bytes(g, stages, stage_groups) for g in (32, 64)}
+    for g, kernel in kernels.items():
+        _module.allow_dynamic_shared(kernel, smem[g])
+
+    def launch(q: nybble.NF4Tensor) -> None:
+        rows, cols = q.shape
+        g = 64 if cols % 64 == 0 and q.blocksize >= 64 else 32
+        log2_bs = _launch._log2_blocksize(q.blocksize)
+        table = _launch.table("values", "nf4")
+        args = (x, q.codes, q.absmax, table, np.int32(rows), np.int32(cols), np.int32(x.shape[0]),
+                log2_bs, y)  # fmt: skip
+        grid = (-(-rows // _launch.TC_ROWS),)
+        kernels[g](grid, (32 * warps,), args, shared_mem=smem[g])
+
+    return launch
+
+
+def old_launcher(module: Any, x: Any, y: Any) -> Any:
     kernel = module.get_function(f"gemv_bf16_m{x.shape[0]}")
 
     def launch(q: nybble.NF4Tensor) -> None:
@@ -46,31 +65,25 @@ def launcher(module: Any, config: tuple[int, int, int], rows_per_block: int, x: 
         scales = _launch._scale_args(q.absmax, None, rows * cols // q.blocksize)
         args = (x, q.codes, *scales, _launch.table("values", "nf4"), np.int32(rows),
                 np.int32(cols), _launch._log2_blocksize(q.blocksize), y)  # fmt: skip
-        grid = -(-rows // rows_per_block)
-        kernel((grid,), (threads,), args)
+        kernel((-(-rows // 8),), (128,), args)
 
     return launch
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="threads:rows:unroll,...")
-    parser.add_argument("--source", type=Path, help="another kernels/nf4.cu to time as well")
-    parser.add_argument(
-        "--source-rows", type=int, default=16, help="rows per block of --source's GEMV"
-    )
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="warps:stages:groups,...")
+    parser.add_argument("--old", type=Path, help="an earlier kernels/nf4.cu to time as well")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
-    variants: list[tuple[str, str | None, tuple[int, int, int], int]] = [
-        (f"threads={t} rows={r} unroll={u}", None, (t, r, u), r) for t, r, u in configs
-    ]
-    if args.source is not None:
-        text = args.source.read_text()
-        other = (f"{args.source.name} (its defaults)", text, (128, 4, 2), args.source_rows)
-        variants.insert(0, other)
-    modules = [(name, compile_module(t, c), c, rows) for name, t, c, rows in variants]
+    variants = []
+    for w, st, sg in configs:
+        defines = [f"TC_WARPS={w}", f"TC_STAGES={st}", f"TC_STAGE_GROUPS={sg}"]
+        name = f"warps={w} stages={st} groups={sg}"
+        variants.append((name, compile_module(None, defines), (w, st, sg)))
+    old = compile_module(args.old.read_text(), []) if args.old else None
 
     bench = Bench(args.repeat)
     bench.copy_bandwidth()
@@ -81,13 +94,16 @@ def main() -> None:
         k = copies(codes_bytes(rows * cols))
         qs = [q] + [clone_q(q) for _ in range(k - 1)]
         dense = cuda.dequantize(q, "float32")
-        for m in (1, 4):
+        for m in (1, 4, 8):
             x = host_bf16((m, cols), 3)
             y = cp.empty((m, rows), x.dtype)
             want = x.astype(cp.float32) @ dense.T
             nbytes = codes_bytes(rows * cols) + 2 * m * (cols + rows)
-            for name, module, config, rows_per_block in modules:
-                launch = launcher(module, config, rows_per_block, x, y)
+            runs = [(name, tc_launcher(module, cfg, x, y)) for name, module, cfg in variants]
+            if old is not None and m <= 4:
+                runs.insert(0, ("old kernel (CUDA cores)", old_launcher(old, x, y)))
+            for name, launch in runs:
+                y.fill(0)
                 launch(q)
                 err = float(cp.abs(y.astype(cp.float32) - want).max() / cp.abs(want).max())
                 seconds = gpu_median(

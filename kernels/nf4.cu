@@ -156,7 +156,9 @@ enum { SPLIT = 0, BLOCKS36 = 1, HIGH_FIRST = 2 };
 // i = ((block * STEPS + k) * THREADS + t) * VEC, so a warp's store covers 512 contiguous bytes.
 // Outputs out[i..] are the tensor's elements start + i..; start is a multiple of 32 (4-bit) or
 // 16 (8-bit) and blocksizes are multiples of 32, so the VEC outputs of a store share a scale.
+#ifndef STEPS
 #define STEPS 4
+#endif
 
 template <int D> __device__ __forceinline__ i64 step_index(int k) {
     return (((i64)blockIdx.x * STEPS + k) * THREADS + threadIdx.x) * Elem<D>::VEC;
@@ -631,11 +633,248 @@ __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
         const Scales scale = SCALE_ARGS;                                                       \
         gemv<D, M>(x, codes, scale, table, rows, cols, log2_bs, y);                            \
     }
-#define GEMV_ALL_TOKENS(D, SUFFIX)                                                             \
-    GEMV(gemv_##SUFFIX##_m1, D, 1)                                                             \
-    GEMV(gemv_##SUFFIX##_m2, D, 2)                                                             \
-    GEMV(gemv_##SUFFIX##_m3, D, 3)                                                             \
-    GEMV(gemv_##SUFFIX##_m4, D, 4)
-GEMV_ALL_TOKENS(0, f32)
-GEMV_ALL_TOKENS(1, f16)
-GEMV_ALL_TOKENS(2, bf16)
+// float32 tokens: the 16-bit ones take the tensor-core GEMV below.
+GEMV(gemv_f32_m1, 0, 1)
+GEMV(gemv_f32_m2, 0, 2)
+GEMV(gemv_f32_m3, 0, 3)
+GEMV(gemv_f32_m4, 0, 4)
+
+// ---- fused 4-bit GEMV on the tensor cores: y[t, r] = sum_k x[t, k] * W[r, k], t < 8 ----------
+
+// d += a * b, mma.sync m16n8k16 with float32 accumulators: a holds 16 rows x 16 k, b 16 k x 8
+// tokens, both in the 16-bit format of Elem<D>. Thread (g, t) = (lane / 4, lane % 4) holds
+// a[0] = (row g, k 2t, 2t+1), a[1] = (row g+8, k 2t, 2t+1), a[2], a[3] the same at k + 8;
+// b[0] = (k 2t, 2t+1; token g), b[1] the same at k + 8; d = (row g; tokens 2t, 2t+1), then
+// (row g+8; tokens 2t, 2t+1). The lower k is the lower half of each word.
+template <int D> __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b);
+template <> __device__ __forceinline__ void mma_16816<1>(float* d, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma_16816<2>(float* d, const u32* a, const u32* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Asynchronous copies global -> shared (sm_80+): `bytes` of them read, the rest zero-filled.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// A block computes 16 rows of W [rows, cols] (split layout, float32 scales) for up to 8 tokens.
+// The rows stream through shared memory in *stages* of TC_STAGE_GROUPS groups of G = 64 (or 32)
+// elements, a group being the span of one scale: TC_STAGES - 1 stages are in flight as
+// asynchronous copies (a warp copies 512 contiguous bytes of a row), so the loads are few and
+// wide, and how many bytes are in flight does not depend on registers. Each warp multiplies
+// TC_STAGE_GROUPS / TC_WARPS groups of a stage on the tensor cores. Within a group, thread
+// (g, t) = (lane / 4, lane % 4) takes G/8 code bytes of rows g and g+8 (elements t*G/4 ..) and
+// the tokens' values at the same k: the mma's k order is free as long as weights and tokens
+// agree on it. A code byte becomes the mma operand (the codebook values of its two nibbles) with
+// one byte permute and one shared-memory load: the pair table has 256 entries of 256 bytes,
+// entry b holding the pair 32 times (word l for lane l: lookups never conflict), so the permute
+// builds the address b * 256 + 4 * lane from the byte and the lane. The mma sums a group
+// unscaled; its scale multiplies the group's sum in float32. The codebook values are rounded
+// to the tokens' 16-bit format (as the dequantize + cuBLAS path rounds the weights). Threads
+// past the rows or the tokens read a real row or token (rows - 1, token m - 1), whose results
+// are never written. The warps' sums meet in shared memory.
+#ifndef TC_WARPS
+#define TC_WARPS 8
+#endif
+#ifndef TC_STAGES
+#define TC_STAGES 3
+#endif
+#ifndef TC_STAGE_GROUPS
+#define TC_STAGE_GROUPS 16
+#endif
+#define TC_ROWS 16
+#define TC_TOKENS 8
+#define TC_LUT_BYTES (256 * 256)
+
+// One stage in shared memory: the codes of 16 rows, each row padded by 32 bytes so that the
+// pieces of 4 consecutive rows fall in different banks, then the rows' scales (padded by one
+// float, likewise). nybble.cuda._launch.tc_shared_bytes computes the same sizes.
+template <int G> struct TcStage {
+    enum {
+        ROW_BYTES = TC_STAGE_GROUPS * G / 2,
+        PITCH = ROW_BYTES + 32,
+        SCALE_PITCH = TC_STAGE_GROUPS + 1,
+        CODES = TC_ROWS * PITCH,
+        BYTES = CODES + TC_ROWS * SCALE_PITCH * 4,
+        ROW_CHUNKS = ROW_BYTES / 16,  // 16-byte copies per row
+    };
+};
+
+template <int D, int G>
+__device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __restrict__ codes,
+                                        const float* __restrict__ absmax,
+                                        const float* __restrict__ table, int rows, int cols,
+                                        int m, int log2_bs, u16* __restrict__ y) {
+    typedef TcStage<G> St;
+    enum {
+        SK = TC_STAGE_GROUPS,
+        NTHREADS = TC_WARPS * 32,
+        PIECE = G / 8,                               // code bytes of a thread per row and group
+        MMAS = G / 16,                               // mmas per group
+        XVECS = G / 64 + 1,                          // 16-byte vectors of token values per group
+        CODE_COPIES = TC_ROWS * St::ROW_CHUNKS / NTHREADS,  // 16-byte copies per thread
+        SCALE_COPIES = TC_ROWS * SK / NTHREADS,             // 4-byte copies per thread
+    };
+    static_assert(CODE_COPIES * NTHREADS == TC_ROWS * St::ROW_CHUNKS, "whole code copies");
+    static_assert(SCALE_COPIES * NTHREADS == TC_ROWS * SK, "whole scale copies");
+    static_assert(SK % TC_WARPS == 0, "whole groups per warp");
+    extern __shared__ __align__(16) unsigned char smem[];  // the pair table, then the stages
+    __shared__ float partial[TC_WARPS][TC_ROWS][TC_TOKENS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * TC_ROWS;
+    const int groups = cols / G;
+    const int nstages = (groups + SK - 1) / SK;
+    const u32 stages = shared_address(smem) + TC_LUT_BYTES;
+    const int shift = log2_bs - (G == 64 ? 6 : 5);  // a group's scale: group number >> shift
+
+    // This thread's copies: code chunk c = threadIdx.x + i * NTHREADS of a stage is row
+    // c / ROW_CHUNKS, bytes 16 * (c % ROW_CHUNKS); scale copy c is row c / SK, group c % SK.
+    // Sources start at stage 0 and advance a stage at a time.
+    const u8* code_src[CODE_COPIES];
+    u32 code_dst[CODE_COPIES];
+    int code_at[CODE_COPIES];  // byte of the row
+#pragma unroll
+    for (int i = 0; i < CODE_COPIES; ++i) {
+        const int c = threadIdx.x + i * NTHREADS, r = c / St::ROW_CHUNKS;
+        code_at[i] = c % St::ROW_CHUNKS * 16;
+        code_src[i] = codes + (i64)min(r0 + r, rows - 1) * (cols / 2) + code_at[i];
+        code_dst[i] = r * St::PITCH + code_at[i];
+    }
+    u32 scale_group[SCALE_COPIES], scale_dst[SCALE_COPIES];
+    int scale_q[SCALE_COPIES];
+#pragma unroll
+    for (int i = 0; i < SCALE_COPIES; ++i) {
+        const int c = threadIdx.x + i * NTHREADS, r = c / SK;
+        scale_q[i] = c % SK;
+        scale_group[i] = (u32)min(r0 + r, rows - 1) * (u32)groups + scale_q[i];
+        scale_dst[i] = St::CODES + (r * St::SCALE_PITCH + scale_q[i]) * 4;
+    }
+    // Copies stage s into slot s % TC_STAGES, zeros past the rows' end. Every thread commits a
+    // group of copies each call, also past the last stage, so that waiting counts alike.
+    auto issue = [&](int s) {
+        if (s < nstages) {
+            const u32 slot = stages + (s % TC_STAGES) * St::BYTES;
+#pragma unroll
+            for (int i = 0; i < CODE_COPIES; ++i) {
+                const bool ok = s * St::ROW_BYTES + code_at[i] < cols / 2;
+                cp_async16(slot + code_dst[i], code_src[i] + (i64)s * St::ROW_BYTES, ok ? 16 : 0);
+            }
+#pragma unroll
+            for (int i = 0; i < SCALE_COPIES; ++i) {
+                const bool ok = s * SK + scale_q[i] < groups;
+                const u32 group = scale_group[i] + s * SK;
+                cp_async4(slot + scale_dst[i], absmax + (ok ? group >> shift : 0), ok ? 4 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
+
+    // The pair table, while the first stages are in flight: entry b holds the values of the low
+    // nibble (lower half) and the high nibble; each thread writes 16-byte runs of copies,
+    // rotated so that the 8 threads of a store phase hit different banks.
+    for (int b = threadIdx.x; b < 256; b += NTHREADS) {
+        const u32 v = (u32)Elem<D>::store(__ldg(table + (b & 15))) |
+                      ((u32)Elem<D>::store(__ldg(table + (b >> 4))) << 16);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            *reinterpret_cast<uint4*>(smem + b * 256 + 16 * ((j + b) & 7)) =
+                make_uint4(v, v, v, v);
+    }
+    const u32 lane4 = 4 * lane;
+    // The pair of byte k of w: one permute makes the address w.byte[k] * 256 + 4 * lane.
+    auto pair = [&](u32 w, int k) -> u32 {
+        const u32 offset = __byte_perm(w, lane4, 0x5504 | (k << 4));
+        return *reinterpret_cast<const u32*>(smem + offset);
+    };
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const u16* xg = x + (i64)min(g, m - 1) * cols + t * (G / 4);
+    for (int s = 0; s < nstages; ++s) {
+        cp_async_wait<TC_STAGES - 2>();
+        __syncthreads();  // stage s arrived everywhere; stage s - 1 multiplied everywhere
+        issue(s + TC_STAGES - 1);  // into the slot of stage s - 1
+        const unsigned char* slot = smem + TC_LUT_BYTES + (s % TC_STAGES) * St::BYTES;
+        const float* scale = reinterpret_cast<const float*>(slot + St::CODES);
+#pragma unroll
+        for (int i = 0; i < SK / TC_WARPS; ++i) {
+            const int q = warp + i * TC_WARPS, grp = s * SK + q;
+            u32 pa[PIECE / 4], pb[PIECE / 4];
+            const unsigned char* piece = slot + g * St::PITCH + q * (G / 2) + t * PIECE;
+#pragma unroll
+            for (int w = 0; w < PIECE / 4; ++w) {
+                pa[w] = reinterpret_cast<const u32*>(piece)[w];
+                pb[w] = reinterpret_cast<const u32*>(piece + 8 * St::PITCH)[w];
+            }
+            const float sa = scale[g * St::SCALE_PITCH + q];
+            const float sb = scale[(g + 8) * St::SCALE_PITCH + q];
+            u32 xw[4 * XVECS];
+            const bool live = grp < groups;  // x may end there; codes and scales are zeros
+#pragma unroll
+            for (int h = 0; h < XVECS; ++h) {
+                const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(xg + grp * G) + h)
+                                     : make_uint4(0u, 0u, 0u, 0u);
+                xw[4 * h] = v.x;
+                xw[4 * h + 1] = v.y;
+                xw[4 * h + 2] = v.z;
+                xw[4 * h + 3] = v.w;
+            }
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int j = 0; j < MMAS; ++j) {
+                // bytes 2j and 2j+1 of the piece: elements 4j, 4j+1 and 4j+2, 4j+3
+                const u32 wa = pa[j >> 1], wb = pb[j >> 1];
+                const int k = 2 * (j & 1);
+                const u32 a[4] = {pair(wa, k), pair(wb, k), pair(wa, k + 1), pair(wb, k + 1)};
+                mma_16816<D>(d, a, xw + 2 * j);
+            }
+            acc[0] = fmaf(sa, d[0], acc[0]);
+            acc[1] = fmaf(sa, d[1], acc[1]);
+            acc[2] = fmaf(sb, d[2], acc[2]);
+            acc[3] = fmaf(sb, d[3], acc[3]);
+        }
+    }
+
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    for (int i = threadIdx.x; i < TC_ROWS * TC_TOKENS; i += NTHREADS) {
+        const int r = i / TC_TOKENS, tok = i % TC_TOKENS;
+        if (tok >= m || r0 + r >= rows) continue;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) sum += partial[w][r][tok];
+        y[(i64)tok * rows + r0 + r] = Elem<D>::store(sum);
+    }
+}
+
+#define GEMV_TC(NAME, D, G)                                                                    \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32)                                \
+        NAME(const u16* __restrict__ x, const u8* __restrict__ codes,                          \
+             const float* __restrict__ absmax, const float* __restrict__ table, int rows,       \
+             int cols, int m, int log2_bs, u16* __restrict__ y) {                              \
+        gemv_tc<D, G>(x, codes, absmax, table, rows, cols, m, log2_bs, y);                     \
+    }
+GEMV_TC(gemv_tc_f16_g64, 1, 64)
+GEMV_TC(gemv_tc_bf16_g64, 2, 64)
+GEMV_TC(gemv_tc_f16_g32, 1, 32)
+GEMV_TC(gemv_tc_bf16_g32, 2, 32)

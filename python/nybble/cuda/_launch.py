@@ -26,11 +26,29 @@ _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _VEC = {"float32": 4, "float16": 8, "bfloat16": 8}  # elements in 16 bytes (Elem<D>::VEC)
 LAYOUTS = ("split", "blocks36", "high_first")
 QUANT_FORMATS = ("nf4", "fp4", "int8", "dynamic8")
-#: Tokens the fused GEMV takes in one launch (the kernels' gemv_*_m1 .. m4). Beyond 4 tokens
+#: Tokens the fused GEMV takes: the tensor-core GEMV (16-bit tokens) multiplies 8 tokens at the
+#: cost of one; float32 tokens go 4 at a time through gemv_f32_m1 .. m4. Beyond 8 tokens
 #: dequantize + cuBLAS is faster on an H100 (benchmarks/gpu_codec.py measures the crossover).
-GEMV_MAX_TOKENS = 4
-GEMV_THREADS = 128  # the kernels' GEMV_THREADS
-GEMV_ROWS_PER_BLOCK = 8  # the kernels' GEMV_ROWS
+GEMV_MAX_TOKENS = 8
+GEMV_F32_TOKENS = 4
+GEMV_THREADS = 128  # the kernels' GEMV_THREADS (float32 GEMV)
+GEMV_ROWS_PER_BLOCK = 8  # the kernels' GEMV_ROWS (float32 GEMV)
+TC_THREADS = 256  # the kernels' TC_WARPS * 32 (tensor-core GEMV)
+TC_ROWS = 16  # the kernels' TC_ROWS
+TC_STAGES = 3  # the kernels' TC_STAGES
+TC_STAGE_GROUPS = 16  # the kernels' TC_STAGE_GROUPS
+
+
+def tc_shared_bytes(
+    group: int, stages: int = TC_STAGES, stage_groups: int = TC_STAGE_GROUPS
+) -> int:
+    """Dynamic shared memory of the tensor-core GEMV (the kernels' TC_LUT_BYTES and TcStage):
+    the pair table, then `stages` stages of 16 padded rows of codes and of scales."""
+    row_bytes = stage_groups * group // 2
+    stage = TC_ROWS * (row_bytes + 32) + TC_ROWS * (stage_groups + 1) * 4
+    return 256 * 256 + stages * stage
+
+
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
 
 
@@ -39,7 +57,10 @@ def kernel_names() -> list[str]:
     names = [f"dequant4_{lay}_{s}" for lay in LAYOUTS for s in _SUFFIX.values()]
     names += [f"dequant8_{s}" for s in _SUFFIX.values()]
     names += [f"quantize_{f}_{s}" for f in QUANT_FORMATS for s in _SUFFIX.values()]
-    names += [f"gemv_{s}_m{m}" for s in _SUFFIX.values() for m in range(1, GEMV_MAX_TOKENS + 1)]
+    names += [f"gemv_f32_m{m}" for m in range(1, GEMV_F32_TOKENS + 1)]
+    names += [
+        f"gemv_tc_{s}_g{g}{dq}" for s in ("f16", "bf16") for g in (32, 64) for dq in ("", "_dq")
+    ]
     return [*names, "narrow_f64", "decode_scales"]
 
 
@@ -285,7 +306,7 @@ def gemv(
     blocksize: int,
     y: Any,
 ) -> None:
-    """y[m, rows] = x[m, cols] @ W.T for a 4-bit W of `shape` [rows, cols], 1 <= m <= 4."""
+    """y[m, rows] = x[m, cols] @ W.T for a 4-bit W of `shape` [rows, cols], 1 <= m <= 8."""
     if not gemv_supported(codebook, shape):
         raise ValueError(
             f"the fused GEMV takes a 2-D nf4/fp4 weight whose rows are a multiple of 32 "
@@ -307,15 +328,33 @@ def gemv(
     scales = _scale_args(absmax, nested, -(-(rows * cols) // blocksize))
     if rows == 0:
         return
-    kernel = _module.function(f"gemv_{_SUFFIX[name]}_m{m}")
-    args = (
+    args = (codes, *scales, table("values", codebook), np.int32(rows), np.int32(cols))
+    if name == "float32":
+        for t in range(0, m, GEMV_F32_TOKENS):  # rows of x and y: contiguous slices
+            xt, yt = x[t : t + GEMV_F32_TOKENS], y[t : t + GEMV_F32_TOKENS]
+            kernel = _module.function(f"gemv_f32_m{xt.shape[0]}")
+            grid = _grid(rows, GEMV_ROWS_PER_BLOCK)
+            kernel(grid, (GEMV_THREADS,), (xt, *args, log2_bs, yt))
+        return
+    # Groups of 64 elements need rows and scales that start on 64-element boundaries.
+    group = 64 if cols % 64 == 0 and blocksize >= 64 else 32
+    if nested is not None:  # the kernel reads float32 scales: decode them first
+        absmax = cp.empty(-(-(rows * cols) // blocksize), cp.float32)
+        decode_scales(nested, absmax.size, absmax)
+    if rows * cols // group >= 2**32:  # the kernel numbers groups in 32 bits
+        raise ValueError(f"the fused GEMV takes fewer than 2^37 weights, got shape {shape}")
+    smem = tc_shared_bytes(group)
+    kernel = _module.function(f"gemv_tc_{_SUFFIX[name]}_g{group}", smem)
+    values = table("values", codebook)
+    launch_args = (
         x,
         codes,
-        *scales,
-        table("values", codebook),
+        absmax,
+        values,
         np.int32(rows),
         np.int32(cols),
+        np.int32(m),
         log2_bs,
         y,
     )
-    kernel(_grid(rows, GEMV_ROWS_PER_BLOCK), (GEMV_THREADS,), args)
+    kernel(_grid(rows, TC_ROWS), (TC_THREADS,), launch_args, shared_mem=smem)

@@ -61,8 +61,21 @@ def compile_cubin(arch: str, source_text: str | None = None, defines: Sequence[s
         nvrtc.destroyProgram(prog)
 
 
-def function(name: str) -> Any:
-    """The kernel `name` on the current device, compiling the module the first time."""
+#: CUDA's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED = 8
+
+
+def allow_dynamic_shared(kernel: Any, nbytes: int) -> None:
+    """Lets `kernel` (a cupy.cuda.function.Function) use `nbytes` of dynamic shared memory;
+    beyond 48 KiB a kernel must ask for it."""
+    from cupy.cuda import driver
+
+    driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, nbytes)
+
+
+def function(name: str, dynamic_shared: int = 0) -> Any:
+    """The kernel `name` on the current device, compiling the module the first time; with
+    `dynamic_shared` bytes of dynamic shared memory allowed."""
     import cupy
     from cupy.cuda import function as cuda_function
 
@@ -73,5 +86,8 @@ def function(name: str) -> Any:
             module = cuda_function.Module()
             module.load(compile_cubin(cupy.cuda.Device(device).compute_capability))
             _modules[device] = module
-        _functions[key] = _modules[device].get_function(name)
+        kernel = _modules[device].get_function(name)
+        if dynamic_shared:
+            allow_dynamic_shared(kernel, dynamic_shared)
+        _functions[key] = kernel
     return _functions[key]
