@@ -58,9 +58,7 @@ def kernel_names() -> list[str]:
     names += [f"dequant8_{s}" for s in _SUFFIX.values()]
     names += [f"quantize_{f}_{s}" for f in QUANT_FORMATS for s in _SUFFIX.values()]
     names += [f"gemv_f32_m{m}" for m in range(1, GEMV_F32_TOKENS + 1)]
-    names += [
-        f"gemv_tc_{s}_g{g}{dq}" for s in ("f16", "bf16") for g in (32, 64) for dq in ("", "_dq")
-    ]
+    names += [f"gemv_tc_{s}_g{g}" for s in ("f16", "bf16") for g in (32, 64)]
     return [*names, "narrow_f64", "decode_scales"]
 
 
