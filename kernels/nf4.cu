@@ -156,9 +156,7 @@ enum { SPLIT = 0, BLOCKS36 = 1, HIGH_FIRST = 2 };
 // i = ((block * STEPS + k) * THREADS + t) * VEC, so a warp's store covers 512 contiguous bytes.
 // Outputs out[i..] are the tensor's elements start + i..; start is a multiple of 32 (4-bit) or
 // 16 (8-bit) and blocksizes are multiples of 32, so the VEC outputs of a store share a scale.
-#ifndef STEPS
 #define STEPS 4
-#endif
 
 template <int D> __device__ __forceinline__ i64 step_index(int k) {
     return (((i64)blockIdx.x * STEPS + k) * THREADS + threadIdx.x) * Elem<D>::VEC;

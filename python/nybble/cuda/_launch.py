@@ -35,6 +35,7 @@ GEMV_THREADS = 128  # the kernels' GEMV_THREADS (float32 GEMV)
 GEMV_ROWS_PER_BLOCK = 8  # the kernels' GEMV_ROWS (float32 GEMV)
 TC_THREADS = 256  # the kernels' TC_WARPS * 32 (tensor-core GEMV)
 TC_ROWS = 16  # the kernels' TC_ROWS
+TC_LUT_BYTES = 256 * 256  # the kernels' TC_LUT_BYTES: the pair table
 TC_STAGES = 3  # the kernels' TC_STAGES
 TC_STAGE_GROUPS = 16  # the kernels' TC_STAGE_GROUPS
 
@@ -46,7 +47,7 @@ def tc_shared_bytes(
     the pair table, then `stages` stages of 16 padded rows of codes and of scales."""
     row_bytes = stage_groups * group // 2
     stage = TC_ROWS * (row_bytes + 32) + TC_ROWS * (stage_groups + 1) * 4
-    return 256 * 256 + stages * stage
+    return TC_LUT_BYTES + stages * stage
 
 
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
@@ -326,33 +327,22 @@ def gemv(
     scales = _scale_args(absmax, nested, -(-(rows * cols) // blocksize))
     if rows == 0:
         return
-    args = (codes, *scales, table("values", codebook), np.int32(rows), np.int32(cols))
+    values = table("values", codebook)
     if name == "float32":
+        args = (codes, *scales, values, np.int32(rows), np.int32(cols), log2_bs)
         for t in range(0, m, GEMV_F32_TOKENS):  # rows of x and y: contiguous slices
             xt, yt = x[t : t + GEMV_F32_TOKENS], y[t : t + GEMV_F32_TOKENS]
             kernel = _module.function(f"gemv_f32_m{xt.shape[0]}")
-            grid = _grid(rows, GEMV_ROWS_PER_BLOCK)
-            kernel(grid, (GEMV_THREADS,), (xt, *args, log2_bs, yt))
+            kernel(_grid(rows, GEMV_ROWS_PER_BLOCK), (GEMV_THREADS,), (xt, *args, yt))
         return
     # Groups of 64 elements need rows and scales that start on 64-element boundaries.
     group = 64 if cols % 64 == 0 and blocksize >= 64 else 32
+    if rows * cols // group >= 2**32:  # the kernel numbers groups in 32 bits
+        raise ValueError(f"the fused GEMV takes fewer than 2^37 weights, got shape {shape}")
     if nested is not None:  # the kernel reads float32 scales: decode them first
         absmax = cp.empty(-(-(rows * cols) // blocksize), cp.float32)
         decode_scales(nested, absmax.size, absmax)
-    if rows * cols // group >= 2**32:  # the kernel numbers groups in 32 bits
-        raise ValueError(f"the fused GEMV takes fewer than 2^37 weights, got shape {shape}")
     smem = tc_shared_bytes(group)
     kernel = _module.function(f"gemv_tc_{_SUFFIX[name]}_g{group}", smem)
-    values = table("values", codebook)
-    launch_args = (
-        x,
-        codes,
-        absmax,
-        values,
-        np.int32(rows),
-        np.int32(cols),
-        np.int32(m),
-        log2_bs,
-        y,
-    )
-    kernel(_grid(rows, TC_ROWS), (TC_THREADS,), launch_args, shared_mem=smem)
+    args = (x, codes, absmax, values, np.int32(rows), np.int32(cols), np.int32(m), log2_bs, y)
+    kernel(_grid(rows, TC_ROWS), (TC_THREADS,), args, shared_mem=smem)
