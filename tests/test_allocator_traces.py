@@ -1,6 +1,6 @@
 """The allocator simulation against PyTorch's own: allocation traces of real transformers + PEFT
 + bitsandbytes QLoRA runs on an H100 (benchmarks/memory/measure_peft_bnb.py --trace: model
-load, kbit preparation, PEFT, two training steps) replayed through `CachingAllocator` must end
+load, kbit preparation, PEFT, two training steps) replayed through the simulation must end
 with the segments the real allocator had cudaMalloc'd, and peak where it peaked."""
 
 from __future__ import annotations
@@ -12,47 +12,47 @@ from typing import Any
 
 import pytest
 
-from nybble.memory.allocator import CachingAllocator
+from nybble.memory.allocator import replay
 
 TRACES = sorted((Path(__file__).parents[1] / "benchmarks/memory/results/traces").glob("*.json.gz"))
 
 
-def replay_trace(doc: dict[str, Any]) -> tuple[CachingAllocator, int, int]:
-    """(the simulation after the trace, the real reserved bytes at its end, the real peak of
+def trace_events(doc: dict[str, Any]) -> tuple[list[tuple[str, int, int]], int, int]:
+    """(the trace as `replay` events, the real reserved bytes at its end, the real peak of
     reserved bytes from step 2's start). Frees take effect when the trace completes them; a run
     of segment frees is an empty_cache() (prepare_model_for_kbit_training calls it); segments
     get their real addresses, which break ties between equal free blocks as they did."""
     actions = {name: i for i, name in enumerate(doc["actions"])}
     mark, points = doc["marks"][0], doc["marks"][1:]
-    sim = CachingAllocator()
-    handles: dict[int, int] = {}
+    events: list[tuple[str, int, int]] = []
     reserved = peak = 0
     measuring = False
     last = None
     for action, addr, size, _tag in doc["events"]:
         if action == actions["alloc"]:
             if mark <= size < mark + len(points) and points[size - mark] == "step2":
-                sim.reset_peak_stats()
+                events.append(("reset_peak", 0, 0))
                 measuring, peak = True, reserved
-            handles[addr] = sim.malloc(size)
+            events.append(("alloc", addr, size))
         elif action == actions["free_completed"]:
-            sim.free(handles.pop(addr))
+            events.append(("free", addr, 0))
         elif action == actions["segment_alloc"]:
-            sim.place_next_segment(addr)
+            events.append(("place_segment", addr, 0))
             reserved += size
             peak = max(peak, reserved) if measuring else peak
         elif action == actions["segment_free"]:
             if last != action:
-                sim.empty_cache()
+                events.append(("empty_cache", 0, 0))
             reserved -= size
         last = action
-    return sim, reserved, peak
+    return events, reserved, peak
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name.split(".")[0] for p in TRACES])
 def test_replayed_trace_reserves_what_torch_reserved(path: Path) -> None:
     doc = json.load(gzip.open(path, "rt"))
-    sim, reserved, peak = replay_trace(doc)
+    events, reserved, peak = trace_events(doc)
+    sim = replay(events)
     assert sim.reserved == reserved
     assert sim.peak_reserved == peak
 

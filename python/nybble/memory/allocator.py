@@ -510,9 +510,10 @@ def replay(
 ) -> CachingAllocator:
     """Run a trace through a fresh allocator and return it (read `peak_reserved` off it).
 
-    Events: ("alloc", key, size), ("free", key, _), ("empty_cache", _, _) and
-    ("reset_peak", _, _). `key` is the caller's name for a tensor (a real trace's address, say);
-    a key may be reused once its tensor is freed. All on stream 0.
+    Events: ("alloc", key, size), ("free", key, _), ("empty_cache", _, _),
+    ("reset_peak", _, _) and ("place_segment", address, _) (`place_next_segment`). `key` is the
+    caller's name for a tensor (a real trace's address, say); a key may be reused once its
+    tensor is freed. All on stream 0.
     """
     alloc = CachingAllocator(capacity, max_split_size)
     handles: dict[int, int] = {}
@@ -530,6 +531,8 @@ def replay(
             alloc.empty_cache()
         elif op == "reset_peak":
             alloc.reset_peak_stats()
+        elif op == "place_segment":
+            alloc.place_next_segment(key)
         else:
             raise ValueError(f"unknown event {op!r}")
     return alloc
