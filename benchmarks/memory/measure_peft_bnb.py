@@ -227,6 +227,15 @@ TRACE_CONFIGS = [
     dict(arch="llama-3.1-8b", layers=4, batch=1, seq=2048, gc=False),
     dict(arch="mistral-7b", layers=4, batch=1, seq=2048, gc=False),
     dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=True),
+    # where the first estimates from the simulation were furthest off
+    dict(arch="qwen3-4b", layers=4, batch=2, seq=512, gc=True),
+    dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=False),
+    dict(arch="llama-3.1-8b", layers=4, batch=1, seq=2048, gc=True),
+    dict(arch="llama-3.1-8b", layers=8, batch=1, seq=4096, gc=True),
+    dict(arch="mistral-7b", layers=4, batch=1, seq=2048, gc=True),
+    dict(arch="mistral-7b", layers=8, batch=2, seq=4096, gc=True),
+    dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=False),
+    dict(arch="llama-3.2-1b", layers=16, batch=2, seq=512, gc=False),
 ]
 #: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
 #: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS.

@@ -7,9 +7,11 @@ context. `estimate_memory` takes the highest phase. A new runtime (nybble's own 
 is one more subclass registered with `register_framework`; nothing else changes.
 
 `PeftBnb` models transformers + PEFT + bitsandbytes QLoRA, the standard recipe of SPEC §5.
-Its figures come from the tensors each op saves for backward (counted op by op, and checked
-by counting the saved tensors of a real forward pass) and from the transients of the peak
-moments, and were compared with peaks measured on an H100 (benchmarks/memory/).
+Its breakdown comes from the tensors each op saves for backward (counted op by op, and
+checked by counting the saved tensors of a real forward pass) and from the transients of the
+peak moments. What the caching allocator reserves on top comes from replaying the run's
+allocations in order (`timeline`) through a simulation of the allocator (`allocator`). Both
+were compared with peaks and allocation traces measured on an H100 (benchmarks/memory/).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .allocator import replay
 from .presets import MiB
 from .quant import FLOAT_FORMATS, stored_weight
 from .setup import TrainingSetup
+from .timeline import CUBLAS_WORKSPACE, peft_bnb_events
 
 #: The components of every breakdown, in display order.
 BREAKDOWN_KEYS = (
@@ -109,20 +113,8 @@ class PeftBnbConstants:
     cuda_context: int = 518 * MiB
     #: cuBLAS workspace per (handle, stream); the forward thread and the autograd thread each
     #: get one. 32 MiB on Hopper with torch >= 2.3 (8 MiB + 128 KiB on older GPUs).
-    cublas_workspace: int = 32 * MiB
+    cublas_workspace: int = CUBLAS_WORKSPACE
     cublas_handles: int = 2
-    #: The allocator's cache (reserved but not allocated) at the peak. Its exact size depends
-    #: on how the caching allocator's blocks happen to split and fit; these coefficients of
-    #: the step's largest transient blocks (one float32 tokens x vocab tensor, one float32
-    #: batch x heads x seq^2 tensor under math attention, the bf16 copies freed by the
-    #: up-cast) were fitted to the 51 H100 measurements of benchmarks/memory/ (minimax of
-    #: the relative error of `total_bytes`).
-    cache_per_logits: float = 0.45
-    cache_per_s2: float = 0.85
-    cache_per_hole: float = 0.3
-    cache_floor: int = 32 * MiB
-    #: Reserved growth of a step that fits in the memory the setup left reserved.
-    setup_slack: int = 64 * MiB
     #: float32 intermediate-sized gradients alive at once in the MLP backward
     mlp_grads: int = 2
 
@@ -213,14 +205,6 @@ class PeftBnb(FrameworkModel):
         if s.optimizer == "adamw":
             return sum(blk(n * pbytes) for n in tensors)
         return 0
-
-    def upcast_hole(self, s: TrainingSetup) -> int:
-        """The bf16 copies of the parameters PEFT up-casts to float32: freed, but inside the
-        segment transformers reserved for loading, so they stay reserved (free) after setup."""
-        if not s.quantized:
-            return 0
-        a = s.arch
-        return 2 * (a.embedding_params + a.lm_head_params)
 
     # --- activations ----------------------------------------------------------------
 
@@ -362,20 +346,10 @@ class PeftBnb(FrameworkModel):
             )
         )
         peak = max(phases, key=lambda p: p.total)
-        hole = self.upcast_hole(s)
-        # After setup the allocator holds the weights, the freed bf16 copies of the up-cast
-        # parameters (inside transformers' loading segment, which empty_cache cannot return)
-        # and about one bf16 copy of the largest linear weight (the loading buffer).
-        biggest = max(o * i for o, i in a.linear_shapes().values()) * 2
-        setup_reserved = sum(w.values()) + lora_bytes + hole + biggest
-        fragmented = (
-            peak.total
-            + c.cache_floor
-            + int(c.cache_per_logits * logp + c.cache_per_s2 * (s2 if math else 0))
-            + int(c.cache_per_hole * hole)
-        )
-        reserved = max(setup_reserved + c.setup_slack, fragmented)
-        cache = reserved - peak.total
+        # What the allocator reserves on top: the run's allocations replayed through the
+        # caching allocator simulation (setup and two steps; step 2's peak).
+        reserved = replay(peft_bnb_events(s)).peak_reserved
+        cache = max(reserved - peak.total, 0)
         notes = []
         if math:
             notes.append(
@@ -392,8 +366,7 @@ class PeftBnb(FrameworkModel):
                 attention_s2_bytes=s2 if math else 0,
                 logits_bytes=logp,
                 setup_allocated=sum(w.values()) + lora_bytes,
-                setup_reserved=setup_reserved,
-                upcast_hole=hole,
+                simulated_reserved=reserved,
             ),
         )
 

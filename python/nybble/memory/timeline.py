@@ -1,0 +1,498 @@
+"""The allocations of a transformers + PEFT + bitsandbytes QLoRA run, in order, for the
+allocator simulation (`allocator.replay`).
+
+What the caching allocator keeps reserved depends on the order and sizes of every allocation
+and free, not only on how much is alive at the peak. `peft_bnb_events` writes that order down
+for one `TrainingSetup`: model load (transformers' allocator warm-up, then each weight loaded
+in bf16 and quantized), `prepare_model_for_kbit_training` (float32 copies of the unquantized
+weights, `empty_cache`), PEFT's adapters, then two training steps (forward, loss, backward,
+AdamW, `zero_grad`). Each op is written as the tensors it allocates and frees, as the
+allocation traces of real runs (benchmarks/memory/results/traces) show them; tensors of a few
+kilobytes that live for one op are left out. Step 2 is the measured one: a `reset_peak`
+event precedes it.
+"""
+
+from __future__ import annotations
+
+from .quant import FLOAT_FORMATS, NESTED_BLOCKSIZE, stored_weight
+from .setup import TrainingSetup
+
+Event = tuple[str, int, int]
+
+#: cuBLAS workspace per (handle, stream) with torch >= 2.3 on Hopper, taken from the caching
+#: allocator at a thread's first matmul: the forward thread and the autograd thread each get one.
+CUBLAS_WORKSPACE = 32 << 20
+
+
+class Tape:
+    """Allocations and frees as `replay` events; tensors are named by increasing keys."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._key = 0
+
+    def new(self, nbytes: int) -> int:
+        self._key += 1
+        self.events.append(("alloc", self._key, max(int(nbytes), 1)))
+        return self._key
+
+    def free(self, *keys: int | None) -> None:
+        for key in keys:
+            if key is not None:
+                self.events.append(("free", key, 0))
+
+    def temp(self, nbytes: int) -> None:
+        """A tensor that dies right after the op that made it."""
+        self.free(self.new(nbytes))
+
+    def mark(self, event: str) -> None:
+        self.events.append((event, 0, 0))
+
+
+class _Saved:
+    """What one layer keeps for backward; under no_grad (checkpointed forward) nothing."""
+
+    def __init__(self, tape: Tape, grad: bool) -> None:
+        self.tape, self.grad = tape, grad
+        self.keys: dict[str, int] = {}
+
+    def put(self, name: str, key: int | None) -> None:
+        if key is None:
+            return
+        if self.grad:
+            self.keys[name] = key
+        else:
+            self.tape.free(key)
+
+    def pop(self, name: str) -> int | None:
+        return self.keys.pop(name, None)
+
+
+class PeftBnbTimeline:
+    """The event sequence of SPEC §5's recipe for one setup (see the module docstring)."""
+
+    def __init__(self, s: TrainingSetup) -> None:
+        a = s.arch
+        self.s, self.a, self.tape = s, a, Tape()
+        self.t = s.tokens
+        self.e = 4 if s.quantized else FLOAT_FORMATS[s.quant]  # residual stream bytes
+        self.lb = FLOAT_FORMATS[s.lora_dtype]
+        self.shapes = a.linear_shapes()
+        self.targets = set(s.targets)
+        self.math = self.e == 4 and a.is_gqa  # SDPA's math backend (see PeftBnb)
+        self.lora_grads: list[int] = []
+        self.states: list[int] = []
+        self.workspaces: list[int] = []
+
+    # --- setup ----------------------------------------------------------------------
+
+    def setup(self) -> None:
+        s, a, tp = self.s, self.a, self.tape
+        up = 2 if s.quantized else FLOAT_FORMATS[s.quant]
+        load = 2 * (a.embedding_params + a.lm_head_params + a.hidden_size)
+        load += a.num_layers * 2 * a.other_params_per_layer
+        for out_f, in_f in self.shapes.values():
+            n = out_f * in_f
+            load += a.num_layers * (n // 2 if s.quantized else n * up)
+        # transformers reserves the whole checkpoint in one block before loading into it
+        tp.temp(load)
+        embed = tp.new(2 * a.embedding_params)
+        head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
+        self.weights: list[int] = []
+        small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
+        for _ in range(a.num_layers):
+            for out_f, in_f in self.shapes.values():
+                self._load_linear(out_f * in_f, up)
+        final = tp.new(2 * a.hidden_size)
+        # prepare_model_for_kbit_training: float32 copies of every unquantized weight
+        if s.quantized:
+            self._upcast(embed, a.embedding_params)
+            if head:
+                self._upcast(head, a.lm_head_params)
+            for k, n in zip(small, a.norm_sizes() * a.num_layers, strict=True):
+                self._upcast(k, n)
+            self._upcast(final, a.hidden_size)
+            tp.mark("empty_cache")
+        # PEFT: A and B of every target, float32 unless told otherwise
+        self.lora = []
+        for _ in range(a.num_layers):
+            for name in s.targets:
+                out_f, in_f = self.shapes[name]
+                self.lora += [tp.new(self.lb * s.lora_r * in_f), tp.new(self.lb * out_f * s.lora_r)]
+        self.inputs = [tp.new(8 * self.t) for _ in range(3)]  # input_ids, attention_mask, labels
+
+    def _load_linear(self, n: int, up: int) -> None:
+        s, tp = self.s, self.tape
+        if not s.quantized:
+            self.weights.append(tp.new(n * up))
+            return
+        bf16 = tp.new(2 * n)
+        w = stored_weight(n, s.quant, s.blocksize, s.double_quant)
+        absmax = tp.new(4 * w.nblocks)
+        codes = tp.new(w.codes)
+        self.weights.append(codes)
+        if s.double_quant:
+            # the float absmax is quantized again: uint8 codes, nested float32 absmax
+            tp.temp(4 * w.nblocks)
+            self.weights += [tp.new(w.nblocks), tp.new(4 * w.nested_blocks)]
+        else:
+            self.weights.append(tp.new(4 * w.nblocks))
+        tp.free(absmax, bf16)
+
+    def _upcast(self, key: int | None, n: int) -> int:
+        f32 = self.tape.new(4 * n)
+        self.tape.free(key)
+        return f32
+
+    # --- forward ops -----------------------------------------------------------------
+
+    def _rmsnorm(self, x: int, width: int, rows: int, saved: _Saved, tag: str) -> int:
+        """Llama/Qwen RMSNorm of a float32 input: saves its rsqrt (and needs its input)."""
+        tp, e = self.tape, self.e
+        tp.temp(4 * rows * width)  # x.pow(2)
+        mean = tp.new(4 * rows)
+        tp.temp(4 * rows)  # + eps
+        rsqrt = tp.new(4 * rows)
+        normed = tp.new(4 * rows * width)
+        out = tp.new(e * rows * width)  # weight * normed
+        tp.free(normed, mean)
+        saved.put(tag, rsqrt)
+        return out
+
+    def _linear(self, x: int, name: str, saved: _Saved) -> int:
+        """A bitsandbytes 4-bit linear (weight dequantized to bf16 per call) with PEFT's LoRA."""
+        s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
+        out_f, in_f = self.shapes[name]
+        if s.quantized:
+            w = stored_weight(out_f * in_f, s.quant, s.blocksize, s.double_quant)
+            xb = tp.new(2 * t * in_f) if e != 2 else None
+            scales = [tp.new(4 * w.nblocks) for _ in range(2 if s.double_quant else 1)]
+            wb = tp.new(2 * out_f * in_f)
+            ob = tp.new(2 * t * out_f)
+            tp.free(*reversed(scales))
+            tp.free(wb)
+            out = tp.new(e * t * out_f) if e != 2 else ob
+            if e != 2:
+                tp.free(ob)
+            tp.free(xb)
+        else:
+            out = tp.new(e * t * out_f)
+        if name not in self.targets:
+            return out
+        res = tp.new(e * t * out_f)  # PEFT adds into a copy of the base output
+        tp.free(out)
+        lora_in = None
+        if s.lora_dropout > 0:
+            lora_in = tp.new(lb * t * in_f)
+            saved.put(name + ".mask", tp.new(t * in_f))
+        elif lb != e:
+            lora_in = tp.new(lb * t * in_f)
+        saved.put(name + ".in", lora_in)
+        saved.put(name + ".a", tp.new(lb * t * s.lora_r))
+        bo = tp.new(lb * t * out_f)
+        scaled = tp.new(e * t * out_f)
+        tp.free(bo)
+        total = tp.new(e * t * out_f)
+        tp.free(res, scaled)
+        return total
+
+    def _workspace(self, thread: int) -> None:
+        """A thread's cuBLAS workspace, taken at its first matmul and kept."""
+        if len(self.workspaces) == thread:
+            self.workspaces.append(self.tape.new(CUBLAS_WORKSPACE))
+
+    def _rope(self, x: int, width: int) -> int:
+        """q * cos + rotate_half(q) * sin."""
+        tp, t = self.tape, self.t
+        xc = tp.new(4 * t * width)
+        half = tp.new(2 * t * width)
+        cat = tp.new(4 * t * width)
+        tp.free(half)
+        xs = tp.new(4 * t * width)
+        tp.free(cat)
+        out = tp.new(4 * t * width)
+        tp.free(xc, xs)
+        return out
+
+    def layer_forward(self, x: int, layer: int, grad: bool) -> tuple[int, _Saved]:
+        """One decoder layer; `x` (the residual stream) stays alive. Returns its output."""
+        s, a, tp, t, e = self.s, self.a, self.tape, self.t, self.e
+        sv = _Saved(tp, grad)
+        qd, kvd = a.q_dim, a.kv_dim
+        # layer 0's input needs no gradient without checkpointing: its norm saves nothing
+        norm_sv = sv if (layer > 0 or s.grad_checkpointing) else _Saved(tp, False)
+        xn = self._rmsnorm(x, a.hidden_size, t, norm_sv, "norm1")
+        q = self._linear(xn, "q_proj", sv)
+        k = self._linear(xn, "k_proj", sv)
+        v = self._linear(xn, "v_proj", sv)
+        sv.put("xn", xn)
+        if a.qk_norm:
+            qn = self._rmsnorm(q, a.head_dim, t * a.num_heads, sv, "qnorm")
+            sv.put("q", q)
+            kn = self._rmsnorm(k, a.head_dim, t * a.num_kv_heads, sv, "knorm")
+            sv.put("k", k)
+            q, k = qn, kn
+        qe = self._rope(q, qd)
+        tp.free(q)
+        ke = self._rope(k, kvd)
+        tp.free(k)
+        if not s.grad_checkpointing:
+            # transformers' DynamicCache keeps copies of k and v until the forward ends
+            self.cache += [tp.new(4 * t * kvd), tp.new(4 * t * kvd)]
+        if self.math:
+            s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
+            qs = tp.new(4 * t * qd)  # q * scale
+            mask = tp.new(4 * s.seq_len * s.seq_len)  # the causal mask as float
+            kr, vr = tp.new(4 * t * qd), tp.new(4 * t * qd)  # k, v repeated to every head
+            kt = tp.new(4 * t * qd)  # k^T * scale
+            scores = tp.new(s2)
+            probs = tp.new(s2)
+            tp.temp(s2 // 4)  # the boolean "row fully masked" test of the safe softmax
+            tp.free(scores)
+            o = tp.new(4 * t * qd)
+            tp.free(kr, mask)
+            for name, key in (("vr", vr), ("qs", qs), ("kt", kt), ("probs", probs)):
+                sv.put(name, key)
+            oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
+            tp.free(o, qe, ke, v)
+        else:
+            # the fused kernels save q, k, v, their output and its logsumexp
+            o = tp.new(e * t * qd)
+            lse = tp.new(4 * s.batch * a.num_heads * (-(-s.seq_len // 32) * 32))
+            for name, key in (("qe", qe), ("ke", ke), ("v", v), ("o", o), ("lse", lse)):
+                sv.put(name, key)
+            oc = tp.new(e * t * qd)
+        attn = self._linear(oc, "o_proj", sv)
+        sv.put("oc", oc)
+        x1 = tp.new(e * t * a.hidden_size)
+        tp.free(attn)
+        xn2 = self._rmsnorm(x1, a.hidden_size, t, sv, "norm2")
+        gate = self._linear(xn2, "gate_proj", sv)
+        upo = self._linear(xn2, "up_proj", sv)
+        sv.put("xn2", xn2)
+        act = tp.new(e * t * a.intermediate_size)
+        prod = tp.new(e * t * a.intermediate_size)
+        sv.put("gate", gate)
+        sv.put("up", upo)
+        sv.put("act", act)
+        down = self._linear(prod, "down_proj", sv)
+        sv.put("prod", prod)
+        out = tp.new(e * t * a.hidden_size)
+        tp.free(down)
+        sv.put("x1", x1)
+        return out, sv
+
+    # --- backward ops ----------------------------------------------------------------
+
+    def _linear_backward(self, g: int, name: str, sv: _Saved) -> int:
+        """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept)."""
+        s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
+        out_f, in_f = self.shapes[name]
+        gxl = None
+        if name in self.targets:
+            gs = tp.new(e * t * out_f)  # grad * scaling
+            self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
+            ga = tp.new(lb * t * s.lora_r)
+            tp.free(gs, sv.pop(name + ".a"))
+            self.lora_grads.append(tp.new(lb * s.lora_r * in_f))
+            gxl = tp.new(lb * t * in_f)
+            tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
+        if s.quantized:
+            w = stored_weight(out_f * in_f, s.quant, s.blocksize, s.double_quant)
+            gb = tp.new(2 * t * out_f) if e != 2 else None
+            scales = tp.new(4 * w.nblocks)
+            wb = tp.new(2 * out_f * in_f)
+            tp.free(scales)
+            gxb = tp.new(2 * t * in_f)
+            tp.free(wb, gb)
+            gx = tp.new(e * t * in_f) if e != 2 else gxb
+            if e != 2:
+                tp.free(gxb)
+        else:
+            gx = tp.new(e * t * in_f)
+        if gxl is not None:
+            acc = tp.new(e * t * in_f)
+            tp.free(gx, gxl)
+            gx = acc
+        return gx
+
+    def _rmsnorm_backward(self, g: int, width: int, rows: int, sv: _Saved, tag: str) -> int:
+        tp = self.tape
+        tp.temp(4 * rows * width)
+        tmp = tp.new(4 * rows * width)
+        tp.temp(4 * rows * width)
+        gx = tp.new(4 * rows * width)
+        tp.free(tmp, sv.pop(tag))
+        return gx
+
+    def _add(self, g1: int, g2: int, nbytes: int) -> int:
+        out = self.tape.new(nbytes)
+        self.tape.free(g1, g2)
+        return out
+
+    def layer_backward(self, g: int, sv: _Saved, layer: int) -> int | None:
+        """Gradient of the layer's input from `g`, the gradient of its output (freed)."""
+        s, a, tp, t = self.s, self.a, self.tape, self.t
+        h, i, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
+        # MLP
+        gp = self._linear_backward(g, "down_proj", sv)
+        tp.free(sv.pop("prod"))
+        gact, gup = tp.new(4 * t * i), tp.new(4 * t * i)
+        tp.free(gp, sv.pop("act"), sv.pop("up"))
+        ggate = tp.new(4 * t * i)
+        tp.free(gact, sv.pop("gate"))
+        gu = self._linear_backward(gup, "up_proj", sv)
+        tp.free(gup)
+        gg = self._linear_backward(ggate, "gate_proj", sv)
+        tp.free(ggate, sv.pop("xn2"))
+        gxn2 = self._add(gu, gg, 4 * t * h)
+        gn2 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2")
+        tp.free(gxn2)
+        g1 = self._add(g, gn2, 4 * t * h)
+        tp.free(sv.pop("x1"))
+        # attention
+        goc = self._linear_backward(g1, "o_proj", sv)
+        tp.free(sv.pop("oc"))
+        if self.math:
+            s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
+            gprobs = tp.new(s2)  # dO V^T
+            gvr = tp.new(4 * t * qd)
+            tp.free(sv.pop("vr"))
+            t1 = tp.new(s2)  # softmax backward
+            t2 = tp.new(s2)
+            tp.free(t1, gprobs, sv.pop("probs"))
+            gqs, gkt = tp.new(4 * t * qd), tp.new(4 * t * qd)
+            tp.free(t2, sv.pop("qs"), sv.pop("kt"))
+            gq = tp.new(4 * t * qd)
+            tp.free(gqs)
+            gk = tp.new(4 * t * kvd)
+            tp.free(gkt)
+            gv = tp.new(4 * t * kvd)
+            tp.free(gvr)
+        else:
+            gq, gk, gv = tp.new(4 * t * qd), tp.new(4 * t * kvd), tp.new(4 * t * kvd)
+            for name in ("o", "lse", "qe", "ke", "v"):
+                tp.free(sv.pop(name))
+        tp.free(goc)
+        gq = self._rope_backward(gq, qd)
+        gk = self._rope_backward(gk, kvd)
+        if a.qk_norm:
+            gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm")
+            tp.free(gq, sv.pop("q"))
+            gk2 = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm")
+            tp.free(gk, sv.pop("k"))
+            gq, gk = gq2, gk2
+        gxv = self._linear_backward(gv, "v_proj", sv)
+        tp.free(gv)
+        gxk = self._linear_backward(gk, "k_proj", sv)
+        tp.free(gk)
+        gsum = self._add(gxv, gxk, 4 * t * h)
+        gxq = self._linear_backward(gq, "q_proj", sv)
+        tp.free(gq, sv.pop("xn"))
+        gxn = self._add(gsum, gxq, 4 * t * h)
+        if layer == 0 and not s.grad_checkpointing:
+            tp.free(gxn, g1)  # the embedding output needs no gradient
+            return None
+        gn1 = self._rmsnorm_backward(gxn, h, t, sv, "norm1")
+        tp.free(gxn)
+        return self._add(g1, gn1, 4 * t * h)
+
+    def _rope_backward(self, g: int, width: int) -> int:
+        tp, t = self.tape, self.t
+        gc = tp.new(4 * t * width)
+        tp.temp(4 * t * width)
+        gs = tp.new(4 * t * width)
+        out = tp.new(4 * t * width)
+        tp.free(gc, gs, g)
+        return out
+
+    # --- a training step -------------------------------------------------------------
+
+    def step(self, first: bool) -> None:
+        s, a, tp, t, e = self.s, self.a, self.tape, self.t, self.e
+        h, v = a.hidden_size, a.vocab_size
+        gc = s.grad_checkpointing
+        self.cache: list[int] = []
+        x = tp.new(e * t * h)  # embedding output
+        self._workspace(0)  # the rotary embedding's matmul is the forward's first
+        rope = [tp.new(4 * s.seq_len * a.head_dim) for _ in range(2)]  # cos, sin
+        inputs, saved = [x], []
+        for layer in range(a.num_layers):
+            out, sv = self.layer_forward(inputs[-1], layer, grad=not gc)
+            if layer == 0 and not gc:
+                tp.free(x)  # nothing saved layer 0's input
+            saved.append(sv)
+            inputs.append(out)
+        last = inputs[-1]
+        final_sv = _Saved(tp, True)
+        xf = self._rmsnorm(last, h, t, final_sv, "final")
+        logits = tp.new(4 * t * v)
+        tp.temp(8 * t)  # padded labels
+        shifted = tp.new(8 * t)
+        logp = tp.new(4 * t * v)
+        tp.free(xf, logits, *self.cache)
+        # backward (its own thread): cross-entropy and lm_head
+        gnll = tp.new(4 * t * v)
+        tp.free(shifted)
+        glogits = tp.new(4 * t * v)
+        tp.free(gnll, logp)
+        gxf = tp.new(4 * t * h)
+        self._workspace(1)
+        tp.free(glogits)
+        g = self._rmsnorm_backward(gxf, h, t, final_sv, "final")
+        tp.free(gxf, last)
+        grad: int | None = g
+        for layer in reversed(range(a.num_layers)):
+            if gc:
+                out, sv = self.layer_forward(inputs[layer], layer, grad=True)
+                tp.free(out)
+            else:
+                sv = saved[layer]
+            assert grad is not None  # only layer 0's backward (without checkpoints) ends it
+            grad = self.layer_backward(grad, sv, layer)
+            if layer > 0 or gc:
+                tp.free(inputs[layer])
+        tp.free(grad, *rope)
+        self._optimizer(first)
+
+    def _optimizer(self, first: bool) -> None:
+        s, tp = self.s, self.tape
+        sizes = [
+            size
+            for _ in range(self.a.num_layers)
+            for n in s.targets
+            for size in (
+                self.lb * s.lora_r * self.shapes[n][1],
+                self.lb * self.shapes[n][0] * s.lora_r,
+            )
+        ]
+        if first and s.optimizer == "adamw":
+            self.states = [tp.new(n) for n in sizes for _ in range(2)]
+        elif first and s.optimizer == "adamw8bit":
+            for n in sizes:
+                elems = n // self.lb
+                if elems >= 4096:
+                    q = [elems, 4 * -(-elems // 256)]
+                    self.states += [tp.new(b) for b in q * 2]
+                else:
+                    self.states += [tp.new(4 * elems), tp.new(4 * elems)]
+        if s.optimizer == "adamw":
+            temps = [tp.new(n) for n in sizes]  # foreach sqrt of the second moments
+            tp.free(*temps)
+        tp.free(*self.lora_grads)  # zero_grad(set_to_none=True)
+        self.lora_grads = []
+
+    def events(self) -> list[Event]:
+        self.setup()
+        self.step(first=True)
+        self.tape.mark("reset_peak")
+        self.step(first=False)
+        return self.tape.events
+
+
+def peft_bnb_events(s: TrainingSetup) -> list[Event]:
+    """The allocator events of setup and two training steps (a reset_peak before step 2)."""
+    return PeftBnbTimeline(s).events()
+
+
+__all__ = ["CUBLAS_WORKSPACE", "NESTED_BLOCKSIZE", "PeftBnbTimeline", "Tape", "peft_bnb_events"]
