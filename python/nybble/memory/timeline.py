@@ -188,8 +188,9 @@ class PeftBnbTimeline:
         elif lb != e:
             lora_in = tp.new(lb * t * in_f)
         saved.put(name + ".in", lora_in)
-        saved.put(name + ".a", tp.new(lb * t * s.lora_r))
+        a_out = tp.new(lb * t * s.lora_r)
         bo = tp.new(lb * t * out_f)
+        saved.put(name + ".a", a_out)  # (dies here under no_grad)
         scaled = tp.new(e * t * out_f)
         tp.free(bo)
         total = tp.new(e * t * out_f)
@@ -225,7 +226,6 @@ class PeftBnbTimeline:
         q = self._linear(xn, "q_proj", sv)
         k = self._linear(xn, "k_proj", sv)
         v = self._linear(xn, "v_proj", sv)
-        sv.put("xn", xn)
         if a.qk_norm:
             qn = self._rmsnorm(q, a.head_dim, t * a.num_heads, sv, "qnorm")
             sv.put("q", q)
@@ -233,12 +233,14 @@ class PeftBnbTimeline:
             sv.put("k", k)
             q, k = qn, kn
         qe = self._rope(q, qd)
-        tp.free(q)
         ke = self._rope(k, kvd)
-        tp.free(k)
+        tp.free(q, k)
         if not s.grad_checkpointing:
             # transformers' DynamicCache keeps copies of k and v until the forward ends
             self.cache += [tp.new(4 * t * kvd), tp.new(4 * t * kvd)]
+        # Each put below is the tensor's last use: freed there under no_grad (the checkpointed
+        # forward), kept for backward otherwise. Python's own references (the attention
+        # function's q, k, v; the layer's normed input) last until the attention returns.
         if self.math:
             s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
             qs = tp.new(4 * t * qd)  # q * scale
@@ -246,35 +248,44 @@ class PeftBnbTimeline:
             kr, vr = tp.new(4 * t * qd), tp.new(4 * t * qd)  # k, v repeated to every head
             kt = tp.new(4 * t * qd)  # k^T * scale
             scores = tp.new(s2)
+            sv.put("qs", qs)
             probs = tp.new(s2)
             tp.temp(s2 // 4)  # the boolean "row fully masked" test of the safe softmax
             tp.free(scores)
             o = tp.new(4 * t * qd)
+            sv.put("kt", kt)
+            sv.put("vr", vr)
             tp.free(kr, mask)
-            for name, key in (("vr", vr), ("qs", qs), ("kt", kt), ("probs", probs)):
-                sv.put(name, key)
+            sv.put("probs", probs)
             oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
-            tp.free(o, qe, ke, v)
+            tp.free(o)
         else:
             # the fused kernels save q, k, v, their output and its logsumexp
             o = tp.new(e * t * qd)
             lse = tp.new(4 * s.batch * a.num_heads * (-(-s.seq_len // 32) * 32))
-            for name, key in (("qe", qe), ("ke", ke), ("v", v), ("o", o), ("lse", lse)):
-                sv.put(name, key)
             oc = tp.new(e * t * qd)
+            sv.put("o", o)
+            sv.put("lse", lse)
         attn = self._linear(oc, "o_proj", sv)
         sv.put("oc", oc)
+        if self.math:
+            tp.free(qe, ke, v)
+        else:
+            for name, key in (("qe", qe), ("ke", ke), ("v", v)):
+                sv.put(name, key)
+        sv.put("xn", xn)
         x1 = tp.new(e * t * a.hidden_size)
         tp.free(attn)
         xn2 = self._rmsnorm(x1, a.hidden_size, t, sv, "norm2")
+        # down_proj(act_fn(gate_proj(x)) * up_proj(x)), evaluated in that order
         gate = self._linear(xn2, "gate_proj", sv)
+        act = tp.new(e * t * a.intermediate_size)
+        sv.put("gate", gate)
         upo = self._linear(xn2, "up_proj", sv)
         sv.put("xn2", xn2)
-        act = tp.new(e * t * a.intermediate_size)
         prod = tp.new(e * t * a.intermediate_size)
-        sv.put("gate", gate)
-        sv.put("up", upo)
         sv.put("act", act)
+        sv.put("up", upo)
         down = self._linear(prod, "down_proj", sv)
         sv.put("prod", prod)
         out = tp.new(e * t * a.hidden_size)
