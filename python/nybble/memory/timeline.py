@@ -225,7 +225,7 @@ class PeftBnbTimeline:
         xn = self._rmsnorm(x, a.hidden_size, t, norm_sv, "norm1")
         q = self._linear(xn, "q_proj", sv)
         k = self._linear(xn, "k_proj", sv)
-        v = self._linear(xn, "v_proj", sv)
+        v: int | None = self._linear(xn, "v_proj", sv)
         if a.qk_norm:
             qn = self._rmsnorm(q, a.head_dim, t * a.num_heads, sv, "qnorm")
             sv.put("q", q)
@@ -233,11 +233,18 @@ class PeftBnbTimeline:
             sv.put("k", k)
             q, k = qn, kn
         qe = self._rope(q, qd)
-        ke = self._rope(k, kvd)
+        ke: int | None = self._rope(k, kvd)
         tp.free(q, k)
         if not s.grad_checkpointing:
-            # transformers' DynamicCache keeps copies of k and v until the forward ends
-            self.cache += [tp.new(4 * t * kvd), tp.new(4 * t * kvd)]
+            # transformers' DynamicCache keeps copies of k and v until the forward ends; the
+            # attention goes on with the copies and the originals die
+            ck, cv = tp.new(4 * t * kvd), tp.new(4 * t * kvd)
+            tp.free(ke, v)
+            if self.math:
+                self.cache += [ck, cv]
+                ke = v = None
+            else:
+                ke, v = ck, cv  # saved by the fused kernel
         # Each put below is the tensor's last use: freed there under no_grad (the checkpointed
         # forward), kept for backward otherwise. Python's own references (the attention
         # function's q, k, v; the layer's normed input) last until the attention returns.
@@ -247,7 +254,13 @@ class PeftBnbTimeline:
             mask = tp.new(4 * s.seq_len * s.seq_len)  # the causal mask as float
             kr, vr = tp.new(4 * t * qd), tp.new(4 * t * qd)  # k, v repeated to every head
             kt = tp.new(4 * t * qd)  # k^T * scale
+            # with several sequences one more copy is made for the batched matmuls; it lives
+            # until the product with v (until the scores under no_grad), as traced
+            bmm = tp.new(4 * t * qd) if s.batch > 1 else None
             scores = tp.new(s2)
+            if not grad:
+                tp.free(bmm)
+                bmm = None
             sv.put("qs", qs)
             probs = tp.new(s2)
             tp.temp(s2 // 4)  # the boolean "row fully masked" test of the safe softmax
@@ -255,7 +268,7 @@ class PeftBnbTimeline:
             o = tp.new(4 * t * qd)
             sv.put("kt", kt)
             sv.put("vr", vr)
-            tp.free(kr, mask)
+            tp.free(kr, bmm, mask)
             sv.put("probs", probs)
             oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
             tp.free(o)
@@ -295,8 +308,12 @@ class PeftBnbTimeline:
 
     # --- backward ops ----------------------------------------------------------------
 
-    def _linear_backward(self, g: int, name: str, sv: _Saved) -> int:
-        """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept)."""
+    def _linear_backward(
+        self, g: int, name: str, sv: _Saved, last_of: str | None = None, free_g: bool = True
+    ) -> int:
+        """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept), in
+        autograd's order: the LoRA branch, then the base. `last_of` names the saved input this
+        linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to."""
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gxl = None
@@ -308,9 +325,13 @@ class PeftBnbTimeline:
             self.lora_grads.append(tp.new(lb * s.lora_r * in_f))
             gxl = tp.new(lb * t * in_f)
             tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
+        if last_of:
+            tp.free(sv.pop(last_of))
         if s.quantized:
             w = stored_weight(out_f * in_f, s.quant, s.blocksize, s.double_quant)
             gb = tp.new(2 * t * out_f) if e != 2 else None
+            if free_g:
+                tp.free(g)
             scales = tp.new(4 * w.nblocks)
             wb = tp.new(2 * out_f * in_f)
             tp.free(scales)
@@ -321,6 +342,8 @@ class PeftBnbTimeline:
                 tp.free(gxb)
         else:
             gx = tp.new(e * t * in_f)
+            if free_g:
+                tp.free(g)
         if gxl is not None:
             acc = tp.new(e * t * in_f)
             tp.free(gx, gxl)
@@ -328,12 +351,17 @@ class PeftBnbTimeline:
         return gx
 
     def _rmsnorm_backward(self, g: int, width: int, rows: int, sv: _Saved, tag: str) -> int:
-        tp = self.tape
-        tp.temp(4 * rows * width)
-        tmp = tp.new(4 * rows * width)
-        tp.temp(4 * rows * width)
-        gx = tp.new(4 * rows * width)
-        tp.free(tmp, sv.pop(tag))
+        """Autograd's RMSNorm backward op by op: g * weight, then the gradients of x * rsqrt
+        (direct and through the mean of squares), five float32 temporaries on the way."""
+        tp, n = self.tape, 4 * rows * width
+        gw = tp.new(n)
+        tp.temp(n)
+        pair = tp.new(n), tp.new(n)
+        tp.free(*pair)
+        parts = tp.new(n), tp.new(n), tp.new(n)
+        gx = tp.new(n)
+        tp.free(*parts)
+        tp.free(sv.pop(tag), gw)
         return gx
 
     def _add(self, g1: int, g2: int, nbytes: int) -> int:
@@ -341,34 +369,34 @@ class PeftBnbTimeline:
         self.tape.free(g1, g2)
         return out
 
-    def layer_backward(self, g: int, sv: _Saved, layer: int) -> int | None:
-        """Gradient of the layer's input from `g`, the gradient of its output (freed)."""
+    def layer_backward(self, g: int, sv: _Saved, layer: int, hold_g: bool) -> int | None:
+        """Gradient of the layer's input from `g`, the gradient of its output (freed unless
+        `hold_g`: a checkpoint holds it, as it holds the recomputed output, until it returns)."""
         s, a, tp, t = self.s, self.a, self.tape, self.t
         h, i, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
-        # MLP
-        gp = self._linear_backward(g, "down_proj", sv)
-        tp.free(sv.pop("prod"))
+        # MLP, in autograd's order: down_proj, the product, up_proj, silu, gate_proj
+        gp = self._linear_backward(g, "down_proj", sv, last_of="prod", free_g=False)
         gact, gup = tp.new(4 * t * i), tp.new(4 * t * i)
-        tp.free(gp, sv.pop("act"), sv.pop("up"))
+        tp.free(gp, sv.pop("up"), sv.pop("act"))
+        gu = self._linear_backward(gup, "up_proj", sv)
         ggate = tp.new(4 * t * i)
         tp.free(gact, sv.pop("gate"))
-        gu = self._linear_backward(gup, "up_proj", sv)
-        tp.free(gup)
-        gg = self._linear_backward(ggate, "gate_proj", sv)
-        tp.free(ggate, sv.pop("xn2"))
+        gg = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2")
         gxn2 = self._add(gu, gg, 4 * t * h)
         gn2 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2")
         tp.free(gxn2)
-        g1 = self._add(g, gn2, 4 * t * h)
+        g1 = tp.new(4 * t * h)  # g + gn2
+        tp.free(gn2)
+        if not hold_g:
+            tp.free(g)
         tp.free(sv.pop("x1"))
         # attention
-        goc = self._linear_backward(g1, "o_proj", sv)
-        tp.free(sv.pop("oc"))
+        goc = self._linear_backward(g1, "o_proj", sv, last_of="oc", free_g=False)
         if self.math:
             s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
+            gvr = tp.new(4 * t * qd)  # P^T dO
             gprobs = tp.new(s2)  # dO V^T
-            gvr = tp.new(4 * t * qd)
-            tp.free(sv.pop("vr"))
+            tp.free(goc, sv.pop("vr"))
             t1 = tp.new(s2)  # softmax backward
             t2 = tp.new(s2)
             tp.free(t1, gprobs, sv.pop("probs"))
@@ -376,15 +404,15 @@ class PeftBnbTimeline:
             tp.free(t2, sv.pop("qs"), sv.pop("kt"))
             gq = tp.new(4 * t * qd)
             tp.free(gqs)
-            gk = tp.new(4 * t * kvd)
+            gk = tp.new(4 * t * kvd)  # summed over the repeated heads
             tp.free(gkt)
             gv = tp.new(4 * t * kvd)
             tp.free(gvr)
         else:
             gq, gk, gv = tp.new(4 * t * qd), tp.new(4 * t * kvd), tp.new(4 * t * kvd)
+            tp.free(goc)
             for name in ("o", "lse", "qe", "ke", "v"):
                 tp.free(sv.pop(name))
-        tp.free(goc)
         gq = self._rope_backward(gq, qd)
         gk = self._rope_backward(gk, kvd)
         if a.qk_norm:
@@ -394,12 +422,9 @@ class PeftBnbTimeline:
             tp.free(gk, sv.pop("k"))
             gq, gk = gq2, gk2
         gxv = self._linear_backward(gv, "v_proj", sv)
-        tp.free(gv)
         gxk = self._linear_backward(gk, "k_proj", sv)
-        tp.free(gk)
         gsum = self._add(gxv, gxk, 4 * t * h)
-        gxq = self._linear_backward(gq, "q_proj", sv)
-        tp.free(gq, sv.pop("xn"))
+        gxq = self._linear_backward(gq, "q_proj", sv, last_of="xn")
         gxn = self._add(gsum, gxq, 4 * t * h)
         if layer == 0 and not s.grad_checkpointing:
             tp.free(gxn, g1)  # the embedding output needs no gradient
@@ -430,13 +455,13 @@ class PeftBnbTimeline:
         inputs, saved = [x], []
         for layer in range(a.num_layers):
             out, sv = self.layer_forward(inputs[-1], layer, grad=not gc)
-            if layer == 0 and not gc:
-                tp.free(x)  # nothing saved layer 0's input
             saved.append(sv)
             inputs.append(out)
         last = inputs[-1]
         final_sv = _Saved(tp, True)
         xf = self._rmsnorm(last, h, t, final_sv, "final")
+        if not gc:
+            tp.free(x)  # the embedding output: no layer saved it, the model returns
         logits = tp.new(4 * t * v)
         tp.temp(8 * t)  # padded labels
         shifted = tp.new(8 * t)
@@ -454,13 +479,14 @@ class PeftBnbTimeline:
         tp.free(gxf, last)
         grad: int | None = g
         for layer in reversed(range(a.num_layers)):
+            assert grad is not None  # only layer 0's backward without checkpoints ends it
             if gc:
                 out, sv = self.layer_forward(inputs[layer], layer, grad=True)
-                tp.free(out)
+                grad_in = self.layer_backward(grad, sv, layer, hold_g=True)
+                tp.free(out, grad)
             else:
-                sv = saved[layer]
-            assert grad is not None  # only layer 0's backward (without checkpoints) ends it
-            grad = self.layer_backward(grad, sv, layer)
+                grad_in = self.layer_backward(grad, saved[layer], layer, hold_g=False)
+            grad = grad_in
             if layer > 0 or gc:
                 tp.free(inputs[layer])
         tp.free(grad, *rope)
