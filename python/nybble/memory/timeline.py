@@ -309,11 +309,19 @@ class PeftBnbTimeline:
     # --- backward ops ----------------------------------------------------------------
 
     def _linear_backward(
-        self, g: int, name: str, sv: _Saved, last_of: str | None = None, free_g: bool = True
+        self,
+        g: int,
+        name: str,
+        sv: _Saved,
+        last_of: str | None = None,
+        free_g: bool = True,
+        into: int | None = None,
     ) -> int:
         """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept), in
         autograd's order: the LoRA branch, then the base. `last_of` names the saved input this
-        linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to."""
+        linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to.
+        Autograd sums an input's gradients out of place for the second one and in place from
+        the third on: `into` is a sum that already holds two, which this linear's add to."""
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gxl = None
@@ -327,6 +335,9 @@ class PeftBnbTimeline:
             tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
         if last_of:
             tp.free(sv.pop(last_of))
+        if into is not None:
+            tp.free(gxl)
+            gxl = None
         if s.quantized:
             w = stored_weight(out_f * in_f, s.quant, s.blocksize, s.double_quant)
             gb = tp.new(2 * t * out_f) if e != 2 else None
@@ -344,24 +355,30 @@ class PeftBnbTimeline:
             gx = tp.new(e * t * in_f)
             if free_g:
                 tp.free(g)
+        if into is not None:
+            tp.free(gx)
+            return into
         if gxl is not None:
             acc = tp.new(e * t * in_f)
             tp.free(gx, gxl)
             gx = acc
         return gx
 
-    def _rmsnorm_backward(self, g: int, width: int, rows: int, sv: _Saved, tag: str) -> int:
-        """Autograd's RMSNorm backward op by op: g * weight, then the gradients of x * rsqrt
-        (direct and through the mean of squares), five float32 temporaries on the way."""
+    def _rmsnorm_backward(
+        self, g: int, width: int, rows: int, sv: _Saved, tag: str, free_g: bool
+    ) -> int:
+        """Autograd's RMSNorm backward as traced: g * weight, then the gradients of x * rsqrt
+        (direct and through the mean of squares), six float32 temporaries on the way; `g`
+        dies midway when autograd's input buffer owns it."""
         tp, n = self.tape, 4 * rows * width
-        gw = tp.new(n)
         tp.temp(n)
         pair = tp.new(n), tp.new(n)
         tp.free(*pair)
+        if free_g:
+            tp.free(g)
         parts = tp.new(n), tp.new(n), tp.new(n)
         gx = tp.new(n)
-        tp.free(*parts)
-        tp.free(sv.pop(tag), gw)
+        tp.free(*parts, sv.pop(tag))
         return gx
 
     def _add(self, g1: int, g2: int, nbytes: int) -> int:
@@ -381,15 +398,13 @@ class PeftBnbTimeline:
         gu = self._linear_backward(gup, "up_proj", sv)
         ggate = tp.new(4 * t * i)
         tp.free(gact, sv.pop("gate"))
-        gg = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2")
-        gxn2 = self._add(gu, gg, 4 * t * h)
-        gn2 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2")
-        tp.free(gxn2)
+        gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
+        gn2 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True)
+        tp.free(sv.pop("x1"))
         g1 = tp.new(4 * t * h)  # g + gn2
         tp.free(gn2)
         if not hold_g:
             tp.free(g)
-        tp.free(sv.pop("x1"))
         # attention
         goc = self._linear_backward(g1, "o_proj", sv, last_of="oc", free_g=False)
         if self.math:
@@ -416,21 +431,18 @@ class PeftBnbTimeline:
         gq = self._rope_backward(gq, qd)
         gk = self._rope_backward(gk, kvd)
         if a.qk_norm:
-            gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm")
-            tp.free(gq, sv.pop("q"))
-            gk2 = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm")
-            tp.free(gk, sv.pop("k"))
+            gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", True)
+            tp.free(sv.pop("q"))
+            gk2 = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", True)
+            tp.free(sv.pop("k"))
             gq, gk = gq2, gk2
-        gxv = self._linear_backward(gv, "v_proj", sv)
-        gxk = self._linear_backward(gk, "k_proj", sv)
-        gsum = self._add(gxv, gxk, 4 * t * h)
-        gxq = self._linear_backward(gq, "q_proj", sv, last_of="xn")
-        gxn = self._add(gsum, gxq, 4 * t * h)
+        gxn = self._linear_backward(gv, "v_proj", sv)
+        self._linear_backward(gk, "k_proj", sv, into=gxn)
+        self._linear_backward(gq, "q_proj", sv, last_of="xn", into=gxn)
         if layer == 0 and not s.grad_checkpointing:
             tp.free(gxn, g1)  # the embedding output needs no gradient
             return None
-        gn1 = self._rmsnorm_backward(gxn, h, t, sv, "norm1")
-        tp.free(gxn)
+        gn1 = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
         return self._add(g1, gn1, 4 * t * h)
 
     def _rope_backward(self, g: int, width: int) -> int:
@@ -475,8 +487,8 @@ class PeftBnbTimeline:
         gxf = tp.new(4 * t * h)
         self._workspace(1)
         tp.free(glogits)
-        g = self._rmsnorm_backward(gxf, h, t, final_sv, "final")
-        tp.free(gxf, last)
+        g = self._rmsnorm_backward(gxf, h, t, final_sv, "final", free_g=False)
+        tp.free(last, gxf)
         grad: int | None = g
         for layer in reversed(range(a.num_layers)):
             assert grad is not None  # only layer 0's backward without checkpoints ends it
