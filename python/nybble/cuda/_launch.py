@@ -19,11 +19,12 @@ except ImportError:  # importable without CuPy (the CI compile check reads kerne
     cp = None
 
 THREADS = 256  # the kernels' THREADS
-STEPS = 4  # the kernels' STEPS: 16-byte stores per thread when dequantizing
 #: Element types, in the order of the kernels' Elem<D>.
 DTYPES = ("float32", "float16", "bfloat16")
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 _VEC = {"float32": 4, "float16": 8, "bfloat16": 8}  # elements in 16 bytes (Elem<D>::VEC)
+#: 16-byte stores per thread when dequantizing (the kernels' Elem<D>::STEPS).
+_STEPS = {"float32": 1, "float16": 4, "bfloat16": 4}
 LAYOUTS = ("split", "blocks36", "high_first")
 QUANT_FORMATS = ("nf4", "fp4", "int8", "dynamic8")
 #: Tokens the fused GEMV takes: the tensor-core GEMV (16-bit tokens) multiplies 8 tokens at the
@@ -197,7 +198,7 @@ def dequantize4(
         return
     name = dtype_name(out.dtype)
     args = (codes, *scales, table("values", codebook), np.int64(start), np.int64(n), log2_bs, out)
-    grid = _grid(n, THREADS * STEPS * _VEC[name])
+    grid = _grid(n, THREADS * _STEPS[name] * _VEC[name])
     _module.function(f"dequant4_{layout}_{_SUFFIX[name]}")(grid, (THREADS,), args)
 
 
@@ -227,7 +228,7 @@ def dequantize8(
         return
     name = dtype_name(out.dtype)
     args = (codes, *scales, table("values", codebook), np.int64(start), np.int64(n), log2_bs, out)
-    grid = _grid(n, THREADS * STEPS * _VEC[name])
+    grid = _grid(n, THREADS * _STEPS[name] * _VEC[name])
     _module.function(f"dequant8_{_SUFFIX[name]}")(grid, (THREADS,), args)
 
 
