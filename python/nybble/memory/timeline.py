@@ -14,7 +14,7 @@ event precedes it.
 
 from __future__ import annotations
 
-from .quant import FLOAT_FORMATS, NESTED_BLOCKSIZE, stored_weight
+from .quant import FLOAT_FORMATS, stored_weight
 from .setup import TrainingSetup
 
 Event = tuple[str, int, int]
@@ -81,7 +81,6 @@ class PeftBnbTimeline:
         self.targets = set(s.targets)
         self.math = self.e == 4 and a.is_gqa  # SDPA's math backend (see PeftBnb)
         self.lora_grads: list[int] = []
-        self.states: list[int] = []
         self.workspaces: list[int] = []
 
     # --- setup ----------------------------------------------------------------------
@@ -96,9 +95,9 @@ class PeftBnbTimeline:
             load += a.num_layers * (n // 2 if s.quantized else n * up)
         # transformers reserves the whole checkpoint in one block before loading into it
         tp.temp(load)
+        # (what is never freed stays allocated: the weights, the adapters, the inputs)
         embed = tp.new(2 * a.embedding_params)
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
-        self.weights: list[int] = []
         small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
         for _ in range(a.num_layers):
             for out_f, in_f in self.shapes.values():
@@ -114,29 +113,30 @@ class PeftBnbTimeline:
             self._upcast(final, a.hidden_size)
             tp.mark("empty_cache")
         # PEFT: A and B of every target, float32 unless told otherwise
-        self.lora = []
         for _ in range(a.num_layers):
             for name in s.targets:
                 out_f, in_f = self.shapes[name]
-                self.lora += [tp.new(self.lb * s.lora_r * in_f), tp.new(self.lb * out_f * s.lora_r)]
-        self.inputs = [tp.new(8 * self.t) for _ in range(3)]  # input_ids, attention_mask, labels
+                tp.new(self.lb * s.lora_r * in_f)
+                tp.new(self.lb * out_f * s.lora_r)
+        for _ in range(3):  # input_ids, attention_mask, labels
+            tp.new(8 * self.t)
 
     def _load_linear(self, n: int, up: int) -> None:
         s, tp = self.s, self.tape
         if not s.quantized:
-            self.weights.append(tp.new(n * up))
+            tp.new(n * up)
             return
         bf16 = tp.new(2 * n)
         w = stored_weight(n, s.quant, s.blocksize, s.double_quant)
         absmax = tp.new(4 * w.nblocks)
-        codes = tp.new(w.codes)
-        self.weights.append(codes)
+        tp.new(w.codes)
         if s.double_quant:
             # the float absmax is quantized again: uint8 codes, nested float32 absmax
             tp.temp(4 * w.nblocks)
-            self.weights += [tp.new(w.nblocks), tp.new(4 * w.nested_blocks)]
+            tp.new(w.nblocks)
+            tp.new(4 * w.nested_blocks)
         else:
-            self.weights.append(tp.new(4 * w.nblocks))
+            tp.new(4 * w.nblocks)
         tp.free(absmax, bf16)
 
     def _upcast(self, key: int | None, n: int) -> int:
@@ -515,16 +515,18 @@ class PeftBnbTimeline:
                 self.lb * self.shapes[n][0] * s.lora_r,
             )
         ]
+        # the states, made at the first step and kept
         if first and s.optimizer == "adamw":
-            self.states = [tp.new(n) for n in sizes for _ in range(2)]
+            for n in sizes:
+                tp.new(n)
+                tp.new(n)
         elif first and s.optimizer == "adamw8bit":
+            # bitsandbytes: uint8 states with one float32 absmax per 256 values from 4096
+            # values on, float32 states below
             for n in sizes:
                 elems = n // self.lb
-                if elems >= 4096:
-                    q = [elems, 4 * -(-elems // 256)]
-                    self.states += [tp.new(b) for b in q * 2]
-                else:
-                    self.states += [tp.new(4 * elems), tp.new(4 * elems)]
+                for state in ([elems, 4 * -(-elems // 256)] if elems >= 4096 else [4 * elems]) * 2:
+                    tp.new(state)
         if s.optimizer == "adamw":
             temps = [tp.new(n) for n in sizes]  # foreach sqrt of the second moments
             tp.free(*temps)
@@ -544,4 +546,4 @@ def peft_bnb_events(s: TrainingSetup) -> list[Event]:
     return PeftBnbTimeline(s).events()
 
 
-__all__ = ["CUBLAS_WORKSPACE", "NESTED_BLOCKSIZE", "PeftBnbTimeline", "Tape", "peft_bnb_events"]
+__all__ = ["CUBLAS_WORKSPACE", "PeftBnbTimeline", "Tape", "peft_bnb_events"]
