@@ -320,8 +320,9 @@ class PeftBnbTimeline:
         """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept), in
         autograd's order: the LoRA branch, then the base. `last_of` names the saved input this
         linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to.
-        Autograd sums an input's gradients out of place for the second one and in place from
-        the third on: `into` is a sum that already holds two, which this linear's add to."""
+        Autograd sums an input's gradients in place where it can: the first one, straight out
+        of a matmul, cannot take the second, so that sum is a new tensor; later ones go into
+        it. `into` is such a sum, which this linear's gradients add to."""
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gxl = None
@@ -381,11 +382,6 @@ class PeftBnbTimeline:
         tp.free(*parts, sv.pop(tag))
         return gx
 
-    def _add(self, g1: int, g2: int, nbytes: int) -> int:
-        out = self.tape.new(nbytes)
-        self.tape.free(g1, g2)
-        return out
-
     def layer_backward(self, g: int, sv: _Saved, layer: int, hold_g: bool) -> int | None:
         """Gradient of the layer's input from `g`, the gradient of its output (freed unless
         `hold_g`: a checkpoint holds it, as it holds the recomputed output, until it returns)."""
@@ -399,10 +395,9 @@ class PeftBnbTimeline:
         ggate = tp.new(4 * t * i)
         tp.free(gact, sv.pop("gate"))
         gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
-        gn2 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True)
+        # the residual's gradient: g is added in place into the norm's fresh one
+        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True)
         tp.free(sv.pop("x1"))
-        g1 = tp.new(4 * t * h)  # g + gn2
-        tp.free(gn2)
         if not hold_g:
             tp.free(g)
         # attention
@@ -428,8 +423,8 @@ class PeftBnbTimeline:
             tp.free(goc)
             for name in ("o", "lse", "qe", "ke", "v"):
                 tp.free(sv.pop(name))
+        gk = self._rope_backward(gk, kvd)  # (autograd reaches k's branch first)
         gq = self._rope_backward(gq, qd)
-        gk = self._rope_backward(gk, kvd)
         if a.qk_norm:
             gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", True)
             tp.free(sv.pop("q"))
@@ -442,14 +437,18 @@ class PeftBnbTimeline:
         if layer == 0 and not s.grad_checkpointing:
             tp.free(gxn, g1)  # the embedding output needs no gradient
             return None
-        gn1 = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
-        return self._add(g1, gn1, 4 * t * h)
+        gx = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
+        tp.free(g1)  # added in place into the norm's gradient
+        return gx
 
     def _rope_backward(self, g: int, width: int) -> int:
+        """Gradient through q * cos + rotate_half(q) * sin: g * cos, the half-width slices of
+        g * sin put back in place, their sum."""
         tp, t = self.tape, self.t
         gc = tp.new(4 * t * width)
-        tp.temp(4 * t * width)
+        half = tp.new(2 * t * width)
         gs = tp.new(4 * t * width)
+        tp.free(half)
         out = tp.new(4 * t * width)
         tp.free(gc, gs, g)
         return out
