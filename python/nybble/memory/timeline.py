@@ -404,6 +404,10 @@ class PeftBnbTimeline:
         goc = self._linear_backward(g1, "o_proj", sv, last_of="oc", free_g=False)
         if self.math:
             s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
+            if s.batch > 1:  # the batched matmuls take a contiguous copy of dO
+                copy = tp.new(4 * t * qd)
+                tp.free(goc)
+                goc = copy
             gvr = tp.new(4 * t * qd)  # P^T dO
             gprobs = tp.new(s2)  # dO V^T
             tp.free(goc, sv.pop("vr"))
