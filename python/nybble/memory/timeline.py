@@ -14,6 +14,7 @@ event precedes it.
 
 from __future__ import annotations
 
+from .arch import ATTENTION_PROJECTIONS
 from .quant import FLOAT_FORMATS, stored_weight
 from .setup import TrainingSetup
 
@@ -100,7 +101,11 @@ class PeftBnbTimeline:
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
         small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
         for _ in range(a.num_layers):
-            for out_f, in_f in self.shapes.values():
+            # a layer's weights load in the order of their names: mlp.* before self_attn.*
+            for name in sorted(
+                self.shapes, key=lambda p: ("self_attn" if p in ATTENTION_PROJECTIONS else "mlp", p)
+            ):
+                out_f, in_f = self.shapes[name]
                 self._load_linear(out_f * in_f, up)
         final = tp.new(2 * a.hidden_size)
         # prepare_model_for_kbit_training: float32 copies of every unquantized weight
@@ -427,8 +432,10 @@ class PeftBnbTimeline:
             tp.free(goc)
             for name in ("o", "lse", "qe", "ke", "v"):
                 tp.free(sv.pop(name))
-        gk = self._rope_backward(gk, kvd)  # (autograd reaches k's branch first)
-        gq = self._rope_backward(gq, qd)
+        if self.math:
+            tp.temp(4 * t * qd)  # dq made contiguous
+        gk = self._rope_backward(gk, kvd, summed=self.math)  # (autograd reaches k first)
+        gq = self._rope_backward(gq, qd, summed=False)
         if a.qk_norm:
             gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", True)
             tp.free(sv.pop("q"))
@@ -445,16 +452,25 @@ class PeftBnbTimeline:
         tp.free(g1)  # added in place into the norm's gradient
         return gx
 
-    def _rope_backward(self, g: int, width: int) -> int:
-        """Gradient through q * cos + rotate_half(q) * sin: g * cos, the half-width slices of
-        g * sin put back in place, their sum."""
+    def _rope_backward(self, g: int, width: int, summed: bool) -> int:
+        """Gradient through x * cos + rotate_half(x) * sin, as traced: g * cos, the halves of
+        g * sin swapped back, their sum. k's gradient (`summed` over the repeated heads)
+        is first copied contiguous; q's sum is copied back to the token-major layout."""
         tp, t = self.tape, self.t
+        gin = tp.new(4 * t * width) if summed else None
         gc = tp.new(4 * t * width)
         half = tp.new(2 * t * width)
         gs = tp.new(4 * t * width)
         tp.free(half)
+        if summed:
+            tp.free(gc, gin)
+            out = tp.new(4 * t * width)
+            tp.free(gs, g)
+            return out
+        total = tp.new(4 * t * width)
+        tp.free(gc, gs)
         out = tp.new(4 * t * width)
-        tp.free(gc, gs, g)
+        tp.free(total, g)
         return out
 
     # --- a training step -------------------------------------------------------------
