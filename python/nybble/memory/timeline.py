@@ -321,18 +321,23 @@ class PeftBnbTimeline:
         last_of: str | None = None,
         free_g: bool = True,
         into: int | None = None,
+        head_major: bool = False,
     ) -> int:
         """Gradient of a LoRA'd 4-bit linear's input (LoRA weight gradients are kept), in
         autograd's order: the LoRA branch, then the base. `last_of` names the saved input this
         linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to.
         Autograd sums an input's gradients in place where it can: the first one, straight out
         of a matmul, cannot take the second, so that sum is a new tensor; later ones go into
-        it. `into` is such a sum, which this linear's gradients add to."""
+        it. `into` is such a sum, which this linear's gradients add to. A `head_major` gradient
+        (q, k, v's, from the attention) takes one more copy for the LoRA branch."""
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gxl = None
         if name in self.targets:
             gs = tp.new(e * t * out_f)  # grad * scaling
+            if head_major:
+                tp.free(gs)
+                gs = tp.new(e * t * out_f)
             self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
             ga = tp.new(lb * t * s.lora_r)
             tp.free(gs, sv.pop(name + ".a"))
@@ -434,17 +439,22 @@ class PeftBnbTimeline:
                 tp.free(sv.pop(name))
         if self.math:
             tp.temp(4 * t * qd)  # dq made contiguous
-        gk = self._rope_backward(gk, kvd, summed=self.math)  # (autograd reaches k first)
+        # (autograd reaches k first; with several sequences the sum over k's repeated heads
+        # comes out strided and is copied first)
+        gk = self._rope_backward(gk, kvd, summed=self.math and s.batch > 1)
         gq = self._rope_backward(gq, qd, summed=False)
+        # then v, k and q down to the projections, in that order
+        gxn = self._linear_backward(gv, "v_proj", sv, head_major=True)
         if a.qk_norm:
-            gq2 = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", True)
-            tp.free(sv.pop("q"))
-            gk2 = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", True)
-            tp.free(sv.pop("k"))
-            gq, gk = gq2, gk2
-        gxn = self._linear_backward(gv, "v_proj", sv)
-        self._linear_backward(gk, "k_proj", sv, into=gxn)
-        self._linear_backward(gq, "q_proj", sv, last_of="xn", into=gxn)
+            gkn = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", False)
+            tp.free(sv.pop("k"), gk)
+            gk = gkn
+        self._linear_backward(gk, "k_proj", sv, into=gxn, head_major=True)
+        if a.qk_norm:
+            gqn = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", False)
+            tp.free(sv.pop("q"), gq)
+            gq = gqn
+        self._linear_backward(gq, "q_proj", sv, last_of="xn", into=gxn, head_major=True)
         if layer == 0 and not s.grad_checkpointing:
             tp.free(gxn, g1)  # the embedding output needs no gradient
             return None
@@ -454,8 +464,8 @@ class PeftBnbTimeline:
 
     def _rope_backward(self, g: int, width: int, summed: bool) -> int:
         """Gradient through x * cos + rotate_half(x) * sin, as traced: g * cos, the halves of
-        g * sin swapped back, their sum. k's gradient (`summed` over the repeated heads)
-        is first copied contiguous; q's sum is copied back to the token-major layout."""
+        g * sin swapped back, their sum, copied back to the token-major layout; a strided
+        `summed` gradient is copied contiguous first instead."""
         tp, t = self.tape, self.t
         gin = tp.new(4 * t * width) if summed else None
         gc = tp.new(4 * t * width)
