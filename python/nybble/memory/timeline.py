@@ -228,15 +228,18 @@ class PeftBnbTimeline:
         # layer 0's input needs no gradient without checkpointing: its norm saves nothing
         norm_sv = sv if (layer > 0 or s.grad_checkpointing) else _Saved(tp, False)
         xn = self._rmsnorm(x, a.hidden_size, t, norm_sv, "norm1")
+        # q_norm(q_proj(x)), k_norm(k_proj(x)), v_proj(x), in that order
         q = self._linear(xn, "q_proj", sv)
-        k = self._linear(xn, "k_proj", sv)
-        v: int | None = self._linear(xn, "v_proj", sv)
         if a.qk_norm:
             qn = self._rmsnorm(q, a.head_dim, t * a.num_heads, sv, "qnorm")
             sv.put("q", q)
+            q = qn
+        k = self._linear(xn, "k_proj", sv)
+        if a.qk_norm:
             kn = self._rmsnorm(k, a.head_dim, t * a.num_kv_heads, sv, "knorm")
             sv.put("k", k)
-            q, k = qn, kn
+            k = kn
+        v: int | None = self._linear(xn, "v_proj", sv)
         qe = self._rope(q, qd)
         ke: int | None = self._rope(k, kvd)
         tp.free(q, k)
