@@ -97,8 +97,9 @@ class PeftBnbTimeline:
         # transformers reserves the whole checkpoint in one block before loading into it
         tp.temp(load)
         # (what is never freed stays allocated: the weights, the adapters, the inputs)
-        embed = tp.new(2 * a.embedding_params)
+        # (in name order: lm_head.weight before model.embed_tokens.weight)
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
+        embed = tp.new(2 * a.embedding_params)
         small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
         for _ in range(a.num_layers):
             # a layer's weights load in the order of their names: mlp.* before self_attn.*
@@ -259,16 +260,22 @@ class PeftBnbTimeline:
         if self.math:
             s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
             qs = tp.new(4 * t * qd)  # q * scale
-            mask = tp.new(4 * s.seq_len * s.seq_len)  # the causal mask as float
+            # the causal mask: two boolean seq x seq tensors, then as float
+            bools = tp.new(s.seq_len * s.seq_len), tp.new(s.seq_len * s.seq_len)
+            tp.free(bools[0])
+            mask = tp.new(4 * s.seq_len * s.seq_len)
+            tp.free(bools[1])
             kr, vr = tp.new(4 * t * qd), tp.new(4 * t * qd)  # k, v repeated to every head
             kt = tp.new(4 * t * qd)  # k^T * scale
-            # with several sequences one more copy is made for the batched matmuls; it lives
-            # until the product with v (until the scores under no_grad), as traced
-            bmm = tp.new(4 * t * qd) if s.batch > 1 else None
+            # with several sequences q * scale is copied for the batched matmul, and the copy
+            # is what backward keeps
+            copy = tp.new(4 * t * qd) if s.batch > 1 else None
             scores = tp.new(s2)
-            if not grad:
-                tp.free(bmm)
-                bmm = None
+            if copy is not None:
+                qs, copy = copy, qs
+                if not grad:
+                    tp.free(copy)
+                    copy = None
             sv.put("qs", qs)
             probs = tp.new(s2)
             tp.temp(s2 // 4)  # the boolean "row fully masked" test of the safe softmax
@@ -276,7 +283,7 @@ class PeftBnbTimeline:
             o = tp.new(4 * t * qd)
             sv.put("kt", kt)
             sv.put("vr", vr)
-            tp.free(kr, bmm, mask)
+            tp.free(kr, copy, mask)
             sv.put("probs", probs)
             oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
             tp.free(o)
@@ -316,6 +323,35 @@ class PeftBnbTimeline:
 
     # --- backward ops ----------------------------------------------------------------
 
+    def _lora_backward(
+        self, name: str, sv: _Saved, head_major: bool, input_grad: bool
+    ) -> int | None:
+        """PEFT's branch of a linear's backward: its A and B gradients (kept until zero_grad)
+        and, with `input_grad`, its share of the input's gradient. A `head_major` output
+        gradient (q, k, v's, from the attention) takes one more copy first."""
+        s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
+        out_f, in_f = self.shapes[name]
+        gs = tp.new(e * t * out_f)  # grad * scaling
+        if head_major:
+            tp.free(gs)
+            gs = tp.new(e * t * out_f)
+        self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
+        ga = tp.new(lb * t * s.lora_r)
+        tp.free(gs, sv.pop(name + ".a"))
+        self.lora_grads.append(tp.new(lb * s.lora_r * in_f))
+        gxl = tp.new(lb * t * in_f) if input_grad else None
+        tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
+        return gxl
+
+    def _weight_grads_only(self, g: int, name: str, sv: _Saved, last_of: str | None = None) -> None:
+        """A linear whose input needs no gradient (layer 0's q, k, v without checkpointing):
+        only its LoRA weights get one."""
+        if name in self.targets:
+            self._lora_backward(name, sv, head_major=True, input_grad=False)
+        if last_of:
+            self.tape.free(sv.pop(last_of))
+        self.tape.free(g)
+
     def _linear_backward(
         self,
         g: int,
@@ -331,22 +367,12 @@ class PeftBnbTimeline:
         linear's LoRA A was the last user of; `g` dies once cast to bf16 unless told not to.
         Autograd sums an input's gradients in place where it can: the first one, straight out
         of a matmul, cannot take the second, so that sum is a new tensor; later ones go into
-        it. `into` is such a sum, which this linear's gradients add to. A `head_major` gradient
-        (q, k, v's, from the attention) takes one more copy for the LoRA branch."""
-        s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
+        it. `into` is such a sum, which this linear's gradients add to."""
+        s, tp, t, e = self.s, self.tape, self.t, self.e
         out_f, in_f = self.shapes[name]
         gxl = None
         if name in self.targets:
-            gs = tp.new(e * t * out_f)  # grad * scaling
-            if head_major:
-                tp.free(gs)
-                gs = tp.new(e * t * out_f)
-            self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
-            ga = tp.new(lb * t * s.lora_r)
-            tp.free(gs, sv.pop(name + ".a"))
-            self.lora_grads.append(tp.new(lb * s.lora_r * in_f))
-            gxl = tp.new(lb * t * in_f)
-            tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
+            gxl = self._lora_backward(name, sv, head_major, input_grad=True)
         if last_of:
             tp.free(sv.pop(last_of))
         if into is not None:
@@ -414,7 +440,9 @@ class PeftBnbTimeline:
         if not hold_g:
             tp.free(g)
         # attention
-        goc = self._linear_backward(g1, "o_proj", sv, last_of="oc", free_g=False)
+        # layer 0's input needs no gradient without checkpointing: o_proj is g1's last user
+        input_grad = layer > 0 or s.grad_checkpointing
+        goc = self._linear_backward(g1, "o_proj", sv, last_of="oc", free_g=not input_grad)
         if self.math:
             s2 = 4 * s.batch * a.num_heads * s.seq_len * s.seq_len
             if s.batch > 1:  # the batched matmuls take a contiguous copy of dO
@@ -446,20 +474,27 @@ class PeftBnbTimeline:
         # comes out strided and is copied first)
         gk = self._rope_backward(gk, kvd, summed=self.math and s.batch > 1)
         gq = self._rope_backward(gq, qd, summed=False)
-        # then v, k and q down to the projections, in that order
-        gxn = self._linear_backward(gv, "v_proj", sv, head_major=True)
+
+        # then v, k and q down to their projections, in that order; without an input
+        # gradient only their LoRA weights get one
+        def project(grad: int, name: str, into: int | None, last: str | None = None) -> int | None:
+            if not input_grad:
+                self._weight_grads_only(grad, name, sv, last)
+                return None
+            return self._linear_backward(grad, name, sv, last, into=into, head_major=True)
+
+        gxn = project(gv, "v_proj", None)
         if a.qk_norm:
             gkn = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", False)
             tp.free(sv.pop("k"), gk)
             gk = gkn
-        self._linear_backward(gk, "k_proj", sv, into=gxn, head_major=True)
+        project(gk, "k_proj", gxn)
         if a.qk_norm:
             gqn = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", False)
             tp.free(sv.pop("q"), gq)
             gq = gqn
-        self._linear_backward(gq, "q_proj", sv, last_of="xn", into=gxn, head_major=True)
-        if layer == 0 and not s.grad_checkpointing:
-            tp.free(gxn, g1)  # the embedding output needs no gradient
+        project(gq, "q_proj", gxn, last="xn")
+        if gxn is None:
             return None
         gx = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
         tp.free(g1)  # added in place into the norm's gradient
@@ -510,7 +545,9 @@ class PeftBnbTimeline:
         tp.temp(8 * t)  # padded labels
         shifted = tp.new(8 * t)
         logp = tp.new(4 * t * v)
-        tp.free(xf, logits, *self.cache)
+        tp.free(xf, logits)
+        for layer_kv in reversed(list(zip(self.cache[::2], self.cache[1::2], strict=True))):
+            tp.free(*layer_kv)  # the cache goes last layer first
         # backward (its own thread): cross-entropy and lm_head
         gnll = tp.new(4 * t * v)
         tp.free(shifted)
