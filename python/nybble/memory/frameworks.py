@@ -23,7 +23,7 @@ from typing import ClassVar
 from .allocator import replay
 from .presets import MiB
 from .quant import FLOAT_FORMATS, stored_weight
-from .setup import TrainingSetup
+from .setup import TrainingSetup, optimizer_states
 from .timeline import CUBLAS_WORKSPACE, peft_bnb_events
 
 #: The components of every breakdown, in display order.
@@ -176,29 +176,8 @@ class PeftBnb(FrameworkModel):
             unquantized_weights=unq + (0 if s.quantized else a.num_layers * codes),
         )
 
-    def lora_tensors(self, s: TrainingSetup) -> list[int]:
-        """Element counts of every LoRA tensor (A and B of each target in each layer)."""
-        shapes = s.arch.linear_shapes()
-        per_layer: list[int] = []
-        for t in s.targets:
-            out_f, in_f = shapes[t]
-            per_layer += [s.lora_r * in_f, out_f * s.lora_r]
-        return per_layer * s.arch.num_layers
-
     def optimizer_bytes(self, s: TrainingSetup, tensors: list[int], pbytes: int) -> int:
-        if s.optimizer == "adamw":
-            return sum(2 * blk(n * pbytes) for n in tensors)
-        if s.optimizer == "adamw8bit":
-            # bitsandbytes: uint8 states with one f32 absmax per 256 values for tensors of at
-            # least 4096 elements; smaller ones keep 32-bit states.
-            total = 0
-            for n in tensors:
-                if n >= 4096:
-                    total += 2 * (blk(n) + blk(4 * -(-n // 256)))
-                else:
-                    total += 2 * blk(4 * n)
-            return total
-        return 0  # SGD without momentum
+        return sum(blk(b) for n in tensors for b in optimizer_states(s.optimizer, n, pbytes))
 
     def optimizer_temporaries(self, s: TrainingSetup, tensors: list[int], pbytes: int) -> int:
         """torch's foreach AdamW makes one temporary list (sqrt of the second moment)."""
@@ -263,7 +242,7 @@ class PeftBnb(FrameworkModel):
         L = a.num_layers
 
         w = self.weights(s)
-        lora_elems = self.lora_tensors(s)
+        lora_elems = s.lora_tensors()
         pb = FLOAT_FORMATS[s.lora_dtype]
         lora_bytes = sum(blk(n * pb) for n in lora_elems)
         opt = self.optimizer_bytes(s, lora_elems, pb)

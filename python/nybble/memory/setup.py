@@ -25,6 +25,19 @@ _OPTIMIZER_ALIASES = {
 ModelLike = str | Path | Mapping[str, Any] | Architecture
 
 
+def optimizer_states(optimizer: str, elems: int, pbytes: int) -> list[int]:
+    """Bytes of each optimizer-state tensor kept for one parameter of `elems` elements."""
+    if optimizer == "adamw":
+        return [elems * pbytes] * 2  # exp_avg, exp_avg_sq
+    if optimizer == "adamw8bit":
+        # bitsandbytes: uint8 states with one float32 absmax per 256 values for tensors of
+        # at least 4096 elements; smaller ones keep 32-bit states
+        if elems >= 4096:
+            return [elems, 4 * -(-elems // 256)] * 2
+        return [4 * elems] * 2
+    return []  # SGD without momentum
+
+
 def resolve_model(model: ModelLike) -> Architecture:
     """A preset name, a path to an HF `config.json` (or its folder), a config dict, or an
     `Architecture`."""
@@ -108,6 +121,15 @@ class TrainingSetup:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
+
+    def lora_tensors(self) -> list[int]:
+        """Element counts of every LoRA tensor: A then B of each target, layer by layer."""
+        shapes = self.arch.linear_shapes()
+        per_layer: list[int] = []
+        for t in self.targets:
+            out_f, in_f = shapes[t]
+            per_layer += [self.lora_r * in_f, out_f * self.lora_r]
+        return per_layer * self.arch.num_layers
 
     @classmethod
     def create(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .arch import ATTENTION_PROJECTIONS
 from .quant import FLOAT_FORMATS, stored_weight
-from .setup import TrainingSetup
+from .setup import TrainingSetup, optimizer_states
 
 Event = tuple[str, int, int]
 
@@ -119,11 +119,8 @@ class PeftBnbTimeline:
             self._upcast(final, a.hidden_size)
             tp.mark("empty_cache")
         # PEFT: A and B of every target, float32 unless told otherwise
-        for _ in range(a.num_layers):
-            for name in s.targets:
-                out_f, in_f = self.shapes[name]
-                tp.new(self.lb * s.lora_r * in_f)
-                tp.new(self.lb * out_f * s.lora_r)
+        for n in s.lora_tensors():
+            tp.new(self.lb * n)
         for _ in range(3):  # input_ids, attention_mask, labels
             tp.new(8 * self.t)
 
@@ -145,10 +142,9 @@ class PeftBnbTimeline:
             tp.new(4 * w.nblocks)
         tp.free(absmax, bf16)
 
-    def _upcast(self, key: int | None, n: int) -> int:
-        f32 = self.tape.new(4 * n)
+    def _upcast(self, key: int | None, n: int) -> None:
+        self.tape.new(4 * n)  # the float32 copy, kept
         self.tape.free(key)
-        return f32
 
     # --- forward ops -----------------------------------------------------------------
 
@@ -575,29 +571,13 @@ class PeftBnbTimeline:
 
     def _optimizer(self, first: bool) -> None:
         s, tp = self.s, self.tape
-        sizes = [
-            size
-            for _ in range(self.a.num_layers)
-            for n in s.targets
-            for size in (
-                self.lb * s.lora_r * self.shapes[n][1],
-                self.lb * self.shapes[n][0] * s.lora_r,
-            )
-        ]
-        # the states, made at the first step and kept
-        if first and s.optimizer == "adamw":
-            for n in sizes:
-                tp.new(n)
-                tp.new(n)
-        elif first and s.optimizer == "adamw8bit":
-            # bitsandbytes: uint8 states with one float32 absmax per 256 values from 4096
-            # values on, float32 states below
-            for n in sizes:
-                elems = n // self.lb
-                for state in ([elems, 4 * -(-elems // 256)] if elems >= 4096 else [4 * elems]) * 2:
+        if first:  # the states, made at the first step and kept
+            for n in s.lora_tensors():
+                for state in optimizer_states(s.optimizer, n, self.lb):
                     tp.new(state)
         if s.optimizer == "adamw":
-            temps = [tp.new(n) for n in sizes]  # foreach sqrt of the second moments
+            # foreach's sqrt of the second moments, one per parameter
+            temps = [tp.new(self.lb * n) for n in s.lora_tensors()]
             tp.free(*temps)
         tp.free(*self.lora_grads)  # zero_grad(set_to_none=True)
         self.lora_grads = []
