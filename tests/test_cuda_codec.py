@@ -229,6 +229,16 @@ def test_torch_tensors_are_read_without_a_copy() -> None:
         assert view.data.ptr == t.data_ptr() and view.shape == (64, 96)
         host = t.detach().float().cpu().numpy().astype(view.dtype)  # exact: same values
         assert_same_tensor(nybble.quantize(t), nybble.quantize(host))
+        transposed = cuda.as_cupy(t.T)
+        assert transposed.data.ptr == t.data_ptr() and transposed.shape == (96, 64)
+        assert_same_tensor(nybble.quantize(t.T), nybble.quantize(np.ascontiguousarray(host.T)))
+    # On another torch stream than CuPy's the view goes through DLPack, which orders the two.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.from_numpy(x).cuda() * 2
+        view = cuda.as_cupy(t)
+        assert view.data.ptr == t.data_ptr()
+        np.testing.assert_array_equal(cp.asnumpy(view), x * 2)
 
 
 def test_dlpack_and_cuda_array_interface_inputs() -> None:

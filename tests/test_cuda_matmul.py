@@ -98,6 +98,27 @@ def test_gemv_long_rows(dtype: str, shape: tuple[int, int]) -> None:
     assert_within_bound(y, x, exact_weight(q).T, dtype)
 
 
+def test_gemv_reuses_a_weights_checks_until_its_arrays_change() -> None:
+    """The checked launch arguments are kept per weight; every token dtype and count still
+    gets its own kernel, and a weight whose arrays are replaced is checked again."""
+    q = nybble.quantize(cp.asarray(weight(48, 128, 20)))
+    for dtype in DTYPES:
+        for m in (1, 5):
+            x = tokens((m, 128), dtype, m)
+            assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, dtype)
+    assert q in cuda._gemv_weights
+    other = nybble.quantize(cp.asarray(weight(48, 128, 21)))
+    q.codes, q._absmax = other.codes, other.absmax
+    x = tokens((2, 128), "bfloat16", 3)
+    assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(other).T, "bfloat16")
+    # Codes that had to be copied (not 16-byte aligned) are used, but not kept.
+    shifted = cp.empty(q.codes.size + 1, cp.uint8)[1:]
+    shifted[:] = q.codes
+    odd = nybble.NF4Tensor(shifted, q.absmax, q.shape)
+    assert_within_bound(cuda.nf4_gemv(x, odd), x, exact_weight(other).T, "bfloat16")
+    assert odd not in cuda._gemv_weights
+
+
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ importing this module needs neither CuPy nor a GPU.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -52,25 +53,60 @@ _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 
 
 def as_cupy(x: Any, what: str = "x") -> Any:
-    """A CuPy view of a CUDA array: CuPy itself, a torch tensor (through DLPack; bfloat16 via
-    an int16 view, which CuPy's DLPack import lacks), or any `__cuda_array_interface__` /
-    `__dlpack__` array."""
+    """A CuPy view of a CUDA array: CuPy itself, a torch tensor (its memory wrapped directly,
+    or through DLPack), or any `__cuda_array_interface__` / `__dlpack__` array."""
     if isinstance(x, cp.ndarray):
         return x
     if type(x).__module__.split(".")[0] == "torch":
         if not x.is_cuda:
             raise ValueError(f"{what}: a torch tensor on {x.device}, expected a CUDA one")
-        t = x.detach()
-        if str(t.dtype) == "torch.bfloat16":
-            import torch
-
-            return cp.from_dlpack(t.view(torch.int16)).view(_arrays.BFLOAT16)
-        return cp.from_dlpack(t)
+        return _torch_view(x)
     if _arrays.is_cuda(x):
         if hasattr(x, "__cuda_array_interface__"):
             return cp.asarray(x)
         return cp.from_dlpack(x)
     raise ValueError(f"{what}: expected a CUDA array (CuPy, torch, DLPack), got {type(x).__name__}")
+
+
+_TORCH_DTYPES = {
+    "torch.float32": np.dtype(np.float32),
+    "torch.float16": np.dtype(np.float16),
+    "torch.bfloat16": _arrays.BFLOAT16,
+    "torch.float64": np.dtype(np.float64),
+    "torch.uint8": np.dtype(np.uint8),
+    "torch.int8": np.dtype(np.int8),
+    "torch.int16": np.dtype(np.int16),
+    "torch.int32": np.dtype(np.int32),
+    "torch.int64": np.dtype(np.int64),
+}
+
+
+def _torch_view(t: Any) -> Any:
+    """A CuPy array over a CUDA torch tensor's memory, holding the tensor alive. Wrapping the
+    pointer costs a few microseconds where DLPack costs tens, which is the whole run time of
+    a 1-token GEMV. It is only done when torch and CuPy work on the same stream, so that the
+    tensor's pending writes come first; otherwise DLPack, which makes the streams wait."""
+    import torch
+
+    dtype = _TORCH_DTYPES.get(str(t.dtype))
+    device = t.device.index
+    if dtype is None or torch.cuda.current_stream(device).cuda_stream != _cupy_stream(device):
+        if str(t.dtype) == "torch.bfloat16":  # CuPy's DLPack import lacks bfloat16
+            return cp.from_dlpack(t.detach().view(torch.int16)).view(_arrays.BFLOAT16)
+        return cp.from_dlpack(t.detach())
+    shape, strides, size = tuple(t.shape), t.stride(), dtype.itemsize
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if t.numel() else 0
+    memory = cp.cuda.UnownedMemory(t.data_ptr(), extent * size, t, device)
+    pointer = cp.cuda.MemoryPointer(memory, 0)
+    return cp.ndarray(shape, dtype, pointer, tuple(s * size for s in strides))
+
+
+def _cupy_stream(device: int) -> int:
+    """The handle of CuPy's current stream on `device`."""
+    if device == cp.cuda.runtime.getDevice():
+        return int(cp.cuda.get_current_stream().ptr)
+    with cp.cuda.Device(device):
+        return int(cp.cuda.get_current_stream().ptr)
 
 
 def _ready(a: Any) -> Any:
@@ -237,8 +273,9 @@ def _matmul_input(x: Any, q: NF4Tensor, dim: int, what: str) -> tuple[Any, tuple
         raise ValueError(f"q: expected a 2-D weight [out, in], got shape {q.shape}")
     if a.ndim == 0 or a.shape[-1] != q.shape[dim]:
         raise ValueError(f"{what}: expected shape (..., {q.shape[dim]}), got {a.shape}")
-    lead = tuple(a.shape[:-1])
-    return _ready(a).reshape(math.prod(lead), q.shape[dim]), lead
+    lead = a.shape[:-1]
+    a = _ready(a)
+    return (a if a.ndim == 2 else a.reshape(math.prod(lead), q.shape[dim])), lead
 
 
 def _row_tiles(q: NF4Tensor, dtype: str) -> list[tuple[int, int]]:
@@ -257,12 +294,36 @@ def _dense_rows(q: NF4Tensor, r0: int, r1: int, dtype: str) -> Any:
     return out
 
 
-def _gemv(x2: Any, q: NF4Tensor) -> Any:
-    y = cp.empty((x2.shape[0], q.shape[0]), x2.dtype)
-    absmax = None if q.nested is not None else _ready(q.absmax)
-    codes, nested = _ready(q.codes), _nested_ready(q.nested)
+#: Each weight's GemvWeight (the checks and launch arguments a GEMV call reuses) with the
+#: arrays it was made from, for as long as the weight lives; remade when they are replaced.
+_gemv_weights: weakref.WeakKeyDictionary[NF4Tensor, tuple[tuple[Any, ...], _launch.GemvWeight]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gemv_weight(q: NF4Tensor) -> _launch.GemvWeight:
+    nested = q.nested
+    source = (q.codes, q.absmax if nested is None else nested)
+    cached = _gemv_weights.get(q)
+    if cached is not None and all(a is b for a, b in zip(cached[0], source, strict=True)):
+        return cached[1]
+    arrays = (q.codes, q.absmax) if nested is None else (q.codes, nested.codes, nested.absmax2)
+    ready = [_ready(cp.asarray(a)) for a in arrays]
+    scales = NestedAbsmax(ready[1], ready[2], nested.offset) if nested is not None else None
+    absmax = ready[1] if nested is None else None
     shape = (q.shape[0], q.shape[1])
-    _launch.gemv(x2, codes, absmax, nested, q.codebook, shape, q.blocksize, y)
+    w = _launch.GemvWeight(ready[0], absmax, scales, q.codebook, shape, q.blocksize)
+    if all(
+        a is b for a, b in zip(ready, arrays, strict=True)
+    ):  # no copies made: the same arrays next time
+        _gemv_weights[q] = (source, w)
+    return w
+
+
+def _gemv(x2: Any, q: NF4Tensor, lead: tuple[int, ...]) -> Any:
+    """y [*lead, out] of x2 [m, in], m = prod(lead)."""
+    y = cp.empty((*lead, q.shape[0]), x2.dtype)
+    _gemv_weight(q)(x2, y if len(lead) == 1 else y.reshape(x2.shape[0], q.shape[0]))
     return y
 
 
@@ -270,7 +331,7 @@ def nf4_gemv(x: Any, q: NF4Tensor) -> Any:
     """x @ dequantize(q).T for up to GEMV_MAX_TOKENS rows of x, fused: reads the 4-bit weight
     once, sums in float32, returns x's dtype."""
     x2, lead = _matmul_input(x, q, 1, "x")
-    return _gemv(x2, q).reshape(*lead, q.shape[0])
+    return _gemv(x2, q, lead)
 
 
 def nf4_matmul(x: Any, q: NF4Tensor) -> Any:
@@ -281,7 +342,7 @@ def nf4_matmul(x: Any, q: NF4Tensor) -> Any:
     rows = q.shape[0]
     m = x2.shape[0]
     if 0 < m <= GEMV_MAX_TOKENS and _launch.gemv_supported(q.codebook, q.shape):
-        return _gemv(x2, q).reshape(*lead, rows)
+        return _gemv(x2, q, lead)
     dtype = dtype_name(x2.dtype)
     tiles = _row_tiles(q, dtype)
     if len(tiles) == 1:
