@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import nybble
 from nybble.memory import (
@@ -26,6 +28,7 @@ from nybble.memory import (
     resolve_model,
     stored_weight,
 )
+from nybble.memory.estimate import _largest_within
 from nybble.memory.frameworks import FRAMEWORKS, PeftBnb, blk
 from nybble.memory.presets import GiB, MiB
 
@@ -196,6 +199,26 @@ def test_fits_and_search() -> None:
     assert est.headroom(gpu) == gpu - est.total_bytes
 
 
+@given(
+    steps=st.lists(st.integers(0, 3000), min_size=1, max_size=60),
+    limit=st.integers(0, 60_000),
+    top=st.integers(0, 80),
+)
+def test_the_bracketed_search_finds_the_last_fit(steps: list[int], limit: int, top: int) -> None:
+    """Any non-decreasing total (flat stretches and jumps, as the allocator's rounding
+    makes): the same answer as walking n up one at a time, in few evaluations."""
+    totals = np.cumsum([0, *steps, *[10**9] * 100])
+    calls: list[int] = []
+
+    def total(n: int) -> int:
+        calls.append(n)
+        return int(totals[n])
+
+    want = max((n for n in range(1, top + 1) if totals[n] <= limit), default=0)
+    assert _largest_within(total, limit, top) == want
+    assert len(calls) <= 2 + 2 * max(top, 1).bit_length()
+
+
 def test_other_knobs_move_the_right_parts() -> None:
     base = estimate_memory("qwen3-4b")
     r64 = estimate_memory("qwen3-4b", lora_r=64)
@@ -327,10 +350,11 @@ def test_a_new_framework_is_one_class() -> None:
         name = "flat-test"
         description = "everything in one phase"
 
-        def footprint(self, setup: TrainingSetup) -> Footprint:
+        def footprint(self, setup: TrainingSetup, allocator_cache: bool = True) -> Footprint:
             parts = {k: 0 for k in BREAKDOWN_KEYS}
             parts["activations"] = setup.tokens * 1000
-            return Footprint([Phase("only", parts)], allocator_cache=10, context=100)
+            cache = 10 if allocator_cache else 0
+            return Footprint([Phase("only", parts)], allocator_cache=cache, context=100)
 
     register_framework(Flat())
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,16 +51,15 @@ class MemoryEstimate:
 
     def max_batch(self, gpu_bytes: int | str) -> int:
         """Largest batch size (at this seq_len) that fits; 0 when batch 1 does not."""
-        limit = parse_size(gpu_bytes)
-        return _largest(lambda b: self._at(batch=b).total_bytes <= limit, MAX_BATCH)
+        return self._largest_fitting(parse_size(gpu_bytes), lambda b: {"batch": b}, MAX_BATCH)
 
     def max_seq_len(self, gpu_bytes: int | str, multiple_of: int = 1) -> int:
         """Longest sequence (at this batch, a multiple of `multiple_of`) that fits; 0 if none."""
         if multiple_of < 1:
             raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
-        limit = parse_size(gpu_bytes)
-        steps = _largest(
-            lambda n: self._at(seq_len=n * multiple_of).total_bytes <= limit,
+        steps = self._largest_fitting(
+            parse_size(gpu_bytes),
+            lambda n: {"seq_len": n * multiple_of},
             MAX_SEQ_LEN // multiple_of,
         )
         return steps * multiple_of
@@ -71,6 +70,20 @@ class MemoryEstimate:
 
     def _at(self, **changes: Any) -> MemoryEstimate:
         return _estimate(self.setup.with_(**changes), self.framework)
+
+    def _largest_fitting(
+        self, limit: int, changes: Callable[[int], dict[str, Any]], hi: int
+    ) -> int:
+        """Largest n in [1, hi] whose setup with `changes(n)` fits in `limit` bytes. The
+        estimate without the allocator's cache (arithmetic only) bounds it from below, so it
+        narrows the range; then a few full estimates (an allocator replay each) finish."""
+
+        def total(n: int, allocator_cache: bool = True) -> int:
+            setup = self.setup.with_(**changes(n))
+            return _estimate(setup, self.framework, allocator_cache).total_bytes
+
+        top = _largest(lambda n: total(n, allocator_cache=False) <= limit, hi)
+        return _largest_within(total, limit, top)
 
     # --- output ---------------------------------------------------------------------
 
@@ -121,7 +134,7 @@ class MemoryEstimate:
         )
 
 
-def _largest(ok: Any, hi: int) -> int:
+def _largest(ok: Callable[[int], bool], hi: int) -> int:
     """Largest n in [1, hi] with ok(n), assuming ok is monotone; 0 when ok(1) is false."""
     if not ok(1):
         return 0
@@ -138,9 +151,38 @@ def _largest(ok: Any, hi: int) -> int:
     return lo
 
 
-def _estimate(setup: TrainingSetup, framework: str) -> MemoryEstimate:
+def _largest_within(total: Callable[[int], int], limit: int, top: int) -> int:
+    """Largest n in [1, top] with total(n) <= limit (0 if none), for a total that grows with
+    n and is costly to evaluate: interpolation inside the bracket [fits, does not fit),
+    bisection whenever a step fails to halve it."""
+    if top < 1:
+        return 0
+    t_bad = total(top)
+    if t_bad <= limit:
+        return top
+    t_good = total(1) if top > 1 else t_bad
+    if t_good > limit:
+        return 0
+    good, bad, halve = 1, top, False
+    while bad - good > 1:
+        width = bad - good
+        if halve:
+            n = (good + bad) // 2
+        else:
+            n = good + (limit - t_good) * width // max(t_bad - t_good, 1)
+            n = min(max(n, good + 1), bad - 1)
+        t = total(n)
+        if t <= limit:
+            good, t_good = n, t
+        else:
+            bad, t_bad = n, t
+        halve = 2 * (bad - good) > width
+    return good
+
+
+def _estimate(setup: TrainingSetup, framework: str, allocator_cache: bool = True) -> MemoryEstimate:
     model = get_framework(framework)
-    fp: Footprint = model.footprint(setup)
+    fp: Footprint = model.footprint(setup, allocator_cache)
     peak: Phase = fp.peak
     allocated = peak.total
     reserved = allocated + fp.allocator_cache

@@ -82,8 +82,9 @@ class FrameworkModel(ABC):
     description: ClassVar[str]
 
     @abstractmethod
-    def footprint(self, setup: TrainingSetup) -> Footprint:
-        """Phases, allocator cache and CUDA context of one training step of `setup`."""
+    def footprint(self, setup: TrainingSetup, allocator_cache: bool = True) -> Footprint:
+        """Phases, allocator cache and CUDA context of one training step of `setup`. With
+        `allocator_cache=False` the cache is left at 0: a lower bound, quick to compute."""
 
 
 FRAMEWORKS: dict[str, FrameworkModel] = {}
@@ -234,7 +235,7 @@ class PeftBnb(FrameworkModel):
                 lora_a += (lb + 1) * t * a.linear_shapes()[name][1]
         return dict(attention=attn, mlp=mlp, lora=lora_a)
 
-    def footprint(self, s: TrainingSetup) -> Footprint:
+    def footprint(self, s: TrainingSetup, allocator_cache: bool = True) -> Footprint:
         a, t, c = s.arch, s.tokens, self.c
         e = self.act_bytes(s)
         h, i, qd, kvd, v = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim, a.vocab_size
@@ -327,7 +328,7 @@ class PeftBnb(FrameworkModel):
         peak = max(phases, key=lambda p: p.total)
         # What the allocator reserves on top: the run's allocations replayed through the
         # caching allocator simulation (setup and two steps; step 2's peak).
-        reserved = replay(peft_bnb_events(s)).peak_reserved
+        reserved = replay(peft_bnb_events(s)).peak_reserved if allocator_cache else 0
         cache = max(reserved - peak.total, 0)
         notes = []
         if math:
