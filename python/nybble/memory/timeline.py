@@ -319,18 +319,21 @@ class PeftBnbTimeline:
 
     # --- backward ops ----------------------------------------------------------------
 
-    def _lora_backward(
-        self, name: str, sv: _Saved, head_major: bool, input_grad: bool
-    ) -> int | None:
+    def _token_major(self, g: int, name: str) -> int:
+        """A head-major output gradient (q, k, v's, from the attention) as PEFT's branch
+        takes it: a token-major copy, which replaces g."""
+        if name not in self.targets:
+            return g
+        copy = self.tape.new(self.e * self.t * self.shapes[name][0])
+        self.tape.free(g)
+        return copy
+
+    def _lora_backward(self, name: str, sv: _Saved, input_grad: bool) -> int | None:
         """PEFT's branch of a linear's backward: its A and B gradients (kept until zero_grad)
-        and, with `input_grad`, its share of the input's gradient. A `head_major` output
-        gradient (q, k, v's, from the attention) takes one more copy first."""
+        and, with `input_grad`, its share of the input's gradient."""
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gs = tp.new(e * t * out_f)  # grad * scaling
-        if head_major:
-            tp.free(gs)
-            gs = tp.new(e * t * out_f)
         self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
         ga = tp.new(lb * t * s.lora_r)
         tp.free(gs, sv.pop(name + ".a"))
@@ -342,8 +345,9 @@ class PeftBnbTimeline:
     def _weight_grads_only(self, g: int, name: str, sv: _Saved, last_of: str | None = None) -> None:
         """A linear whose input needs no gradient (layer 0's q, k, v without checkpointing):
         only its LoRA weights get one."""
+        g = self._token_major(g, name)
         if name in self.targets:
-            self._lora_backward(name, sv, head_major=True, input_grad=False)
+            self._lora_backward(name, sv, input_grad=False)
         if last_of:
             self.tape.free(sv.pop(last_of))
         self.tape.free(g)
@@ -367,8 +371,10 @@ class PeftBnbTimeline:
         s, tp, t, e = self.s, self.tape, self.t, self.e
         out_f, in_f = self.shapes[name]
         gxl = None
+        if head_major:
+            g = self._token_major(g, name)
         if name in self.targets:
-            gxl = self._lora_backward(name, sv, head_major, input_grad=True)
+            gxl = self._lora_backward(name, sv, input_grad=True)
         if last_of:
             tp.free(sv.pop(last_of))
         if into is not None:
@@ -401,21 +407,32 @@ class PeftBnbTimeline:
         return gx
 
     def _rmsnorm_backward(
-        self, g: int, width: int, rows: int, sv: _Saved, tag: str, free_g: bool
+        self,
+        g: int,
+        width: int,
+        rows: int,
+        sv: _Saved,
+        tag: str,
+        free_g: bool,
+        into: int | None = None,
     ) -> int:
-        """Autograd's RMSNorm backward as traced: g * weight, then the gradients of x * rsqrt
-        (direct and through the mean of squares), six float32 temporaries on the way; `g`
-        dies midway when autograd's input buffer owns it."""
+        """Autograd's RMSNorm backward as traced: g * weight, the direct gradient of
+        x * rsqrt, then the one through the mean of squares, float32 temporaries on the way;
+        `g` dies after the first op when autograd's input buffer owns it. The two gradients
+        of x meet in x's input buffer: the first to arrive holds the sum, later ones are added
+        in place and die. With `into`, a gradient of x already in the buffer (the residual's),
+        both are added into it."""
         tp, n = self.tape, 4 * rows * width
-        tp.temp(n)
-        pair = tp.new(n), tp.new(n)
-        tp.free(*pair)
+        gw = tp.new(n)  # g * weight
         if free_g:
             tp.free(g)
-        parts = tp.new(n), tp.new(n), tp.new(n)
-        gx = tp.new(n)
-        tp.free(*parts, sv.pop(tag))
-        return gx
+        part, direct = tp.new(n), tp.new(n)
+        tp.free(part, gw)
+        if into is not None:
+            tp.free(direct)
+        parts = [tp.new(n) for _ in range(4)]
+        tp.free(*parts[:3], sv.pop(tag), parts[3])
+        return direct if into is None else into
 
     def layer_backward(self, g: int, sv: _Saved, layer: int, hold_g: bool) -> int | None:
         """Gradient of the layer's input from `g`, the gradient of its output (freed unless
@@ -424,17 +441,17 @@ class PeftBnbTimeline:
         h, i, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
         # MLP, in autograd's order: down_proj, the product, up_proj, silu, gate_proj
         gp = self._linear_backward(g, "down_proj", sv, last_of="prod", free_g=False)
-        gact, gup = tp.new(4 * t * i), tp.new(4 * t * i)
+        gup, gact = tp.new(4 * t * i), tp.new(4 * t * i)
         tp.free(gp, sv.pop("up"), sv.pop("act"))
         gu = self._linear_backward(gup, "up_proj", sv)
         ggate = tp.new(4 * t * i)
         tp.free(gact, sv.pop("gate"))
         gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
-        # the residual's gradient: g is added in place into the norm's fresh one
-        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True)
+        # the residual's gradient: the norm's gradients are added in place into g, unless a
+        # checkpoint holds g; then g goes into the norm's fresh one
+        into = None if hold_g else g
+        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True, into=into)
         tp.free(sv.pop("x1"))
-        if not hold_g:
-            tp.free(g)
         # attention
         # layer 0's input needs no gradient without checkpointing: o_proj is g1's last user
         input_grad = layer > 0 or s.grad_checkpointing
@@ -448,28 +465,26 @@ class PeftBnbTimeline:
             gvr = tp.new(4 * t * qd)  # P^T dO
             gprobs = tp.new(s2)  # dO V^T
             tp.free(goc, sv.pop("vr"))
-            t1 = tp.new(s2)  # softmax backward
-            t2 = tp.new(s2)
-            tp.free(t1, gprobs, sv.pop("probs"))
-            gqs, gkt = tp.new(4 * t * qd), tp.new(4 * t * qd)
-            tp.free(t2, sv.pop("qs"), sv.pop("kt"))
-            gq = tp.new(4 * t * qd)
-            tp.free(gqs)
-            gk = tp.new(4 * t * kvd)  # summed over the repeated heads
+            gscores = tp.new(s2)  # softmax backward
+            tp.free(tp.new(s2), gprobs, sv.pop("probs"))
+            gkt, gqs = tp.new(4 * t * qd), tp.new(4 * t * qd)
+            tp.free(gscores, sv.pop("qs"), sv.pop("kt"))
+            gkr = tp.new(4 * t * qd)  # k's gradient back from the transpose
             tp.free(gkt)
-            gv = tp.new(4 * t * kvd)
+            gv = tp.new(4 * t * kvd)  # v's and k's summed over the repeated heads
             tp.free(gvr)
+            gk = tp.new(4 * t * kvd)
+            tp.free(gkr)
+            gq = tp.new(4 * t * qd)  # through q * scale
+            tp.free(gqs)
         else:
             gq, gk, gv = tp.new(4 * t * qd), tp.new(4 * t * kvd), tp.new(4 * t * kvd)
             tp.free(goc)
             for name in ("o", "lse", "qe", "ke", "v"):
                 tp.free(sv.pop(name))
-        if self.math:
-            tp.temp(4 * t * qd)  # dq made contiguous
-        # (autograd reaches k first; with several sequences the sum over k's repeated heads
-        # comes out strided and is copied first)
-        gk = self._rope_backward(gk, kvd, summed=self.math and s.batch > 1)
-        gq = self._rope_backward(gq, qd, summed=False)
+        # (autograd reaches k first)
+        gk = self._rope_backward(gk, kvd)
+        gq = self._rope_backward(gq, qd)
 
         # then v, k and q down to their projections, in that order; without an input
         # gradient only their LoRA weights get one
@@ -481,41 +496,36 @@ class PeftBnbTimeline:
 
         gxn = project(gv, "v_proj", None)
         if a.qk_norm:
-            gkn = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", False)
-            tp.free(sv.pop("k"), gk)
+            gkn = self._rmsnorm_backward(gk, a.head_dim, t * a.num_kv_heads, sv, "knorm", True)
+            tp.free(sv.pop("k"))
             gk = gkn
         project(gk, "k_proj", gxn)
         if a.qk_norm:
-            gqn = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", False)
-            tp.free(sv.pop("q"), gq)
+            gqn = self._rmsnorm_backward(gq, a.head_dim, t * a.num_heads, sv, "qnorm", True)
+            tp.free(sv.pop("q"))
             gq = gqn
         project(gq, "q_proj", gxn, last="xn")
         if gxn is None:
             return None
+        if not hold_g:
+            return self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True, into=g1)
         gx = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
         tp.free(g1)  # added in place into the norm's gradient
         return gx
 
-    def _rope_backward(self, g: int, width: int, summed: bool) -> int:
+    def _rope_backward(self, g: int, width: int) -> int:
         """Gradient through x * cos + rotate_half(x) * sin, as traced: g * cos, the halves of
-        g * sin swapped back, their sum, copied back to the token-major layout; a strided
-        `summed` gradient is copied contiguous first instead."""
+        g * sin swapped back, the sum of the two in x's input buffer (the first to arrive
+        holds it), then the layout copy's gradient added in place too."""
         tp, t = self.tape, self.t
-        gin = tp.new(4 * t * width) if summed else None
-        gc = tp.new(4 * t * width)
+        gcos = tp.new(4 * t * width)
         half = tp.new(2 * t * width)
-        gs = tp.new(4 * t * width)
-        tp.free(half)
-        if summed:
-            tp.free(gc, gin)
-            out = tp.new(4 * t * width)
-            tp.free(gs, g)
-            return out
         total = tp.new(4 * t * width)
-        tp.free(gc, gs)
-        out = tp.new(4 * t * width)
-        tp.free(total, g)
-        return out
+        tp.free(half)
+        part = tp.new(4 * t * width)
+        tp.free(gcos, part)
+        tp.free(tp.new(4 * t * width), g)
+        return total
 
     # --- a training step -------------------------------------------------------------
 
@@ -552,8 +562,8 @@ class PeftBnbTimeline:
         gxf = tp.new(4 * t * h)
         self._workspace(1)
         tp.free(glogits)
-        g = self._rmsnorm_backward(gxf, h, t, final_sv, "final", free_g=False)
-        tp.free(last, gxf)
+        g = self._rmsnorm_backward(gxf, h, t, final_sv, "final", free_g=True)
+        tp.free(last)
         grad: int | None = g
         for layer in reversed(range(a.num_layers)):
             assert grad is not None  # only layer 0's backward without checkpoints ends it
