@@ -415,7 +415,7 @@ def test_total_matches_measurements_within_7_percent() -> None:
         measured = rec["step2"]["peak_reserved"] + rec["context_bytes"]  # type: ignore[index,operator]
         errors.append((est.total_bytes - measured) / measured)
     assert max(abs(e) for e in errors) < 0.07
-    assert sum(abs(e) for e in errors) / len(errors) < 0.01
+    assert sum(abs(e) for e in errors) / len(errors) < 0.005
     assert sum(abs(e) <= 0.05 for e in errors) >= len(errors) - 1
 
 

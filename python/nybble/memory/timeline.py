@@ -284,14 +284,13 @@ class PeftBnbTimeline:
             oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
             tp.free(o)
         else:
-            # the fused kernels save q, k, v, their output and its logsumexp
-            o = tp.new(e * t * qd)
-            lse = tp.new(4 * s.batch * a.num_heads * (-(-s.seq_len // 32) * 32))
+            # the fused kernels save q, k, v, their output and its logsumexp; their output is
+            # token-major already, so o_proj takes it as it is
             oc = tp.new(e * t * qd)
-            sv.put("o", o)
+            lse = tp.new(4 * s.batch * a.num_heads * (-(-s.seq_len // 32) * 32))
             sv.put("lse", lse)
         attn = self._linear(oc, "o_proj", sv)
-        sv.put("oc", oc)
+        sv.put("o" if not self.math else "oc", oc)
         if self.math:
             tp.free(qe, ke, v)
         else:
@@ -306,12 +305,12 @@ class PeftBnbTimeline:
         act = tp.new(e * t * a.intermediate_size)
         sv.put("gate", gate)
         upo = self._linear(xn2, "up_proj", sv)
-        sv.put("xn2", xn2)
         prod = tp.new(e * t * a.intermediate_size)
         sv.put("act", act)
         sv.put("up", upo)
         down = self._linear(prod, "down_proj", sv)
         sv.put("prod", prod)
+        sv.put("xn2", xn2)  # the layer's own reference lasts until the MLP returns
         out = tp.new(e * t * a.hidden_size)
         tp.free(down)
         sv.put("x1", x1)
@@ -415,13 +414,15 @@ class PeftBnbTimeline:
         tag: str,
         free_g: bool,
         into: int | None = None,
+        into_owned: bool = True,
     ) -> int:
         """Autograd's RMSNorm backward as traced: g * weight, the direct gradient of
         x * rsqrt, then the one through the mean of squares, float32 temporaries on the way;
         `g` dies after the first op when autograd's input buffer owns it. The two gradients
         of x meet in x's input buffer: the first to arrive holds the sum, later ones are added
         in place and die. With `into`, a gradient of x already in the buffer (the residual's),
-        both are added into it."""
+        both are added into it; if something else holds `into` (a checkpoint holds the
+        gradient it was given), the first sum is a new tensor, which takes the second."""
         tp, n = self.tape, 4 * rows * width
         gw = tp.new(n)  # g * weight
         if free_g:
@@ -429,6 +430,8 @@ class PeftBnbTimeline:
         part, direct = tp.new(n), tp.new(n)
         tp.free(part, gw)
         if into is not None:
+            if not into_owned:
+                into = tp.new(n)
             tp.free(direct)
         parts = [tp.new(n) for _ in range(4)]
         tp.free(*parts[:3], sv.pop(tag), parts[3])
@@ -447,10 +450,8 @@ class PeftBnbTimeline:
         ggate = tp.new(4 * t * i)
         tp.free(gact, sv.pop("gate"))
         gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
-        # the residual's gradient: the norm's gradients are added in place into g, unless a
-        # checkpoint holds g; then g goes into the norm's fresh one
-        into = None if hold_g else g
-        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", free_g=True, into=into)
+        # the residual's gradient: the norm's gradients are summed into g's buffer
+        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", True, into=g, into_owned=not hold_g)
         tp.free(sv.pop("x1"))
         # attention
         # layer 0's input needs no gradient without checkpointing: o_proj is g1's last user
@@ -507,11 +508,7 @@ class PeftBnbTimeline:
         project(gq, "q_proj", gxn, last="xn")
         if gxn is None:
             return None
-        if not hold_g:
-            return self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True, into=g1)
-        gx = self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True)
-        tp.free(g1)  # added in place into the norm's gradient
-        return gx
+        return self._rmsnorm_backward(gxn, h, t, sv, "norm1", free_g=True, into=g1)
 
     def _rope_backward(self, g: int, width: int) -> int:
         """Gradient through x * cos + rotate_half(x) * sin, as traced: g * cos, the halves of
