@@ -267,18 +267,18 @@ class PeftBnbTimeline:
             # is what backward keeps
             copy = tp.new(4 * t * qd) if s.batch > 1 else None
             scores = tp.new(s2)
-            if copy is not None:
+            if copy is not None and grad:
                 qs, copy = copy, qs
-                if not grad:
-                    tp.free(copy)
-                    copy = None
-            sv.put("qs", qs)
+            elif copy is not None:
+                tp.free(copy)
+                copy = None
+            sv.put("kt", kt)
             probs = tp.new(s2)
             tp.temp(s2 // 4)  # the boolean "row fully masked" test of the safe softmax
             tp.free(scores)
             o = tp.new(4 * t * qd)
-            sv.put("kt", kt)
             sv.put("vr", vr)
+            sv.put("qs", qs)
             tp.free(kr, copy, mask)
             sv.put("probs", probs)
             oc = tp.new(e * t * qd)  # transpose(1, 2).contiguous()
