@@ -319,9 +319,11 @@ class PeftBnbTimeline:
     # --- backward ops ----------------------------------------------------------------
 
     def _token_major(self, g: int, name: str) -> int:
-        """A head-major output gradient (q, k, v's, from the attention) as PEFT's branch
-        takes it: a token-major copy, which replaces g."""
-        if name not in self.targets:
+        """q, k or v's output gradient, from the attention, as PEFT's branch takes it: a
+        head-major one (all three from the math backend; q's and k's through rope from the
+        fused kernels, whose v gradient is token-major already) is replaced by a token-major
+        copy."""
+        if name not in self.targets or (name == "v_proj" and not self.math):
             return g
         copy = self.tape.new(self.e * self.t * self.shapes[name][0])
         self.tape.free(g)
@@ -480,6 +482,10 @@ class PeftBnbTimeline:
             tp.free(gqs)
         else:
             gq, gk, gv = tp.new(4 * t * qd), tp.new(4 * t * kvd), tp.new(4 * t * kvd)
+            # two float32 work buffers of the kernel's backward, the second padded (as traced
+            # on an H100 with llama-2-7b)
+            tp.temp(4 * t * qd)
+            tp.temp(4 * t * qd + 4 * s.batch * a.num_heads * 128)
             tp.free(goc)
             for name in ("o", "lse", "qe", "ke", "v"):
                 tp.free(sv.pop(name))
@@ -533,7 +539,7 @@ class PeftBnbTimeline:
         self.cache: list[int] = []
         x = tp.new(e * t * h)  # embedding output
         self._workspace(0)  # the rotary embedding's matmul is the forward's first
-        rope = [tp.new(4 * s.seq_len * a.head_dim) for _ in range(2)]  # cos, sin
+        rope = self._rotary_tables()
         inputs, saved = [x], []
         for layer in range(a.num_layers):
             out, sv = self.layer_forward(inputs[-1], layer, grad=not gc)
@@ -575,6 +581,19 @@ class PeftBnbTimeline:
                 tp.free(inputs[layer])
         tp.free(grad, *rope)
         self._optimizer(first)
+
+    def _rotary_tables(self) -> list[int]:
+        """cos and sin of the positions (batch-broadcast): from the angles duplicated to the
+        full head width, each computed, then scaled by the rope's attention scaling."""
+        tp, n = self.tape, 4 * self.s.seq_len * self.a.head_dim
+        angles = tp.new(n)
+        tables = []
+        for _ in range(2):
+            raw = tp.new(n)
+            tables.append(tp.new(n))
+            tp.free(raw)
+        tp.free(angles)
+        return tables
 
     def _optimizer(self, first: bool) -> None:
         s, tp = self.s, self.tape
