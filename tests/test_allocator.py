@@ -10,6 +10,7 @@ import pytest
 
 from nybble.memory.allocator import (
     CachingAllocator,
+    DriverAddresses,
     OutOfMemoryError,
     allocation_size,
     replay,
@@ -185,7 +186,7 @@ def test_empty_cache_releases_only_whole_free_segments() -> None:
     alloc.free(tiny)
     assert alloc.reserved == 20 * MiB + 12 * MiB + 2 * MiB + 30 * MiB
     alloc.empty_cache()
-    assert alloc.segments() == [(part, 20 * MiB), (used, 30 * MiB)]
+    assert sorted(alloc.segments()) == sorted([(part, 20 * MiB), (used, 30 * MiB)])
     assert alloc.reserved == 50 * MiB
     assert alloc.peak_reserved == 64 * MiB
     assert alloc.num_device_free == 2
@@ -289,7 +290,7 @@ def test_max_split_size_frees_oversize_segments_largest_first() -> None:
     # No cached block fits 70 MiB and 87 + 70 > 100: the 40 and 35 MiB oversize segments go
     # (75 >= 70), the 12 MiB one (below max_split_size) stays; no full-cache retry needed.
     big = alloc.malloc(70 * MiB)
-    assert alloc.segments() == [(handles[0], 12 * MiB), (big, 70 * MiB)]
+    assert sorted(alloc.segments()) == sorted([(handles[0], 12 * MiB), (big, 70 * MiB)])
     assert alloc.num_alloc_retries == 0
     alloc.free(big)
     # 70 + 12 cached; 95 MiB: the 70 MiB segment alone falls short, so it is freed, then the
@@ -392,3 +393,22 @@ def test_random_trace_keeps_consistent_books() -> None:
         alloc.free(handle)
     alloc.empty_cache()
     assert (alloc.allocated, alloc.reserved, alloc.num_segments) == (0, 0, 0)
+
+
+def test_segments_are_placed_as_the_driver_places_them() -> None:
+    """DriverAddresses, as the traces show cudaMalloc: 32 MiB-rounded chunks from the top
+    down, each segment at the start of the lowest gap that fits."""
+    va = DriverAddresses()
+    a = va.take(20 * MiB)  # a new 32 MiB chunk; 12 MiB left above the segment
+    b = va.take(64 * MiB)  # does not fit the gap: the next chunk down
+    assert b == a - 64 * MiB
+    c = va.take(2 * MiB)  # small segments fill the gap from its bottom up
+    assert c == a + 20 * MiB and va.take(2 * MiB) == a + 22 * MiB
+    d = va.take(16 * MiB)  # two 16 MiB segments share a chunk
+    assert d == b - 32 * MiB and va.take(16 * MiB) == d + 16 * MiB
+    va.give_back(b, 64 * MiB)  # freed: the lowest gap that fits wins
+    assert va.take(16 * MiB) == b
+    va.give_back(a, 20 * MiB)
+    va.give_back(c, 2 * MiB)  # merged with the gap below it: 22 MiB from a
+    assert va.take(48 * MiB) == b + 16 * MiB  # the rest of b's gap, lower down
+    assert va.take(22 * MiB) == a

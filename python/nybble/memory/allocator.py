@@ -45,11 +45,16 @@ Statistics are kept as torch keeps them (`memory_stats()` uses torch's key names
 Left out: expandable segments, roundup_power2_divisions, garbage collection, memory
 fraction, CUDA-graph private pools and mempools, and cross-stream use (record_stream and the
 events that delay a free until other streams finish: here a free is reusable at once; streams
-are kept only as separate free lists). Segment addresses are synthetic, increasing and
-2 MiB-aligned; they only break ties between free blocks of equal size, where real cudaMalloc
-addresses (which the driver may reuse) could order differently. `capacity` stands for what
+are kept only as separate free lists). `capacity` stands for what
 cudaMalloc can still get: device memory minus the CUDA context and anything outside the
 allocator (cuBLAS/NCCL buffers that bypass it, other processes).
+
+Segment addresses matter: best fit breaks ties between equal free blocks by address, and one
+block placed elsewhere can cost a whole segment later. `DriverAddresses` places segments as
+the CUDA driver was seen to in 16 allocation traces (H100, CUDA 13): address space taken in
+32 MiB-rounded chunks from the top down, each segment at the start of the lowest free gap
+that fits. With it the replays of the estimator's timelines reach the traced reserved peaks
+within 0.2%; numbering segments upward instead missed one by 6%.
 """
 
 from __future__ import annotations
@@ -84,7 +89,48 @@ K_ROUND_LARGE: Final = 2 * MiB  # large segments are rounded up to 2 MiB
 
 _SIZE_MAX: Final = (1 << 64) - 1  # max_split_size "unlimited" is SIZE_MAX in the C++
 _ONE_EXABYTE: Final = 1 << 60  # NativeCachingAllocator::allocate refuses this much outright
-_SEGMENT_ALIGN: Final = 2 * MiB  # alignment of the synthetic segment addresses
+_SEGMENT_ALIGN: Final = 2 * MiB  # cudaMalloc's granularity for segment addresses
+_VA_CHUNK: Final = 32 * MiB  # the driver reserves address space in multiples of this
+_VA_TOP: Final = 1 << 46  # where the synthetic address space starts, going down
+
+
+class DriverAddresses:
+    """Where cudaMalloc puts each segment, as observed: a segment goes to the start of the
+    lowest free gap in the address space reserved so far that fits it; if none does, a new
+    chunk (its size rounded up to 32 MiB) is reserved below all earlier ones and the segment
+    takes its start, leaving the rest as a gap. Freed segments become gaps again; reserved
+    chunks stay. (In the traces: a 20 MiB segment leaves a 12 MiB gap that 2 MiB small-pool
+    segments later fill from the bottom up; two 16 MiB segments share a 32 MiB chunk.)"""
+
+    def __init__(self) -> None:
+        self._bottom = _VA_TOP
+        self._gaps: list[tuple[int, int]] = []  # (start, end), by address, none adjacent
+
+    def take(self, size: int) -> int:
+        size = -(-size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+        for i, (start, end) in enumerate(self._gaps):
+            if end - start >= size:
+                if end - start == size:
+                    del self._gaps[i]
+                else:
+                    self._gaps[i] = (start + size, end)
+                return start
+        chunk = -(-size // _VA_CHUNK) * _VA_CHUNK
+        self._bottom -= chunk
+        if chunk > size:
+            insort(self._gaps, (self._bottom + size, self._bottom + chunk))
+        return self._bottom
+
+    def give_back(self, address: int, size: int) -> None:
+        size = -(-size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+        i = bisect_left(self._gaps, (address, address))
+        start, end = address, address + size
+        if i < len(self._gaps) and self._gaps[i][0] == end:  # merge with the gap above
+            end = self._gaps.pop(i)[1]
+        if i > 0 and self._gaps[i - 1][1] == start:  # and the one below
+            start = self._gaps.pop(i - 1)[0]
+            i -= 1
+        self._gaps.insert(i, (start, end))
 
 
 def round_size(size: int) -> int:
@@ -215,7 +261,8 @@ class CachingAllocator:
         # and merges) and the cudaMalloc'd size.
         self._segment_heads: dict[int, _Block] = {}
         self._segment_sizes: dict[int, int] = {}
-        self._next_address = _SEGMENT_ALIGN  # 0 stays the null handle
+        self._addresses = DriverAddresses()
+        self._placed: set[int] = set()  # segments at addresses given by place_next_segment
         self._placed_address: int | None = None
         self._allocation = _stat_array()
         self._segment = _stat_array()
@@ -444,9 +491,9 @@ class CachingAllocator:
             return None
         if self._placed_address is not None:
             addr, self._placed_address = self._placed_address, None
+            self._placed.add(addr)
         else:
-            addr = self._next_address
-            self._next_address += -(-alloc_size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+            addr = self._addresses.take(alloc_size)
         block = _Block(addr, alloc_size, stream, small)
         self._segment_heads[addr] = block
         self._segment_sizes[addr] = alloc_size
@@ -459,6 +506,9 @@ class CachingAllocator:
         """cudaFree a free block that is a whole segment."""
         assert block.prev is None and block.next is None and not block.allocated
         self._remove_free(block)
+        if block.addr not in self._placed:
+            self._addresses.give_back(block.addr, block.size)
+        self._placed.discard(block.addr)
         del self._segment_heads[block.addr]
         del self._segment_sizes[block.addr]
         _decrease(self._segment, block.small, 1)
