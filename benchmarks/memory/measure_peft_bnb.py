@@ -237,6 +237,25 @@ TRACE_CONFIGS = [
     dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=False),
     dict(arch="llama-3.2-1b", layers=16, batch=2, seq=512, gc=False),
 ]
+#: Configurations kept out of the estimator's construction (`--holdout`): measured only after
+#: its allocation model was settled, to check it on sequence lengths, batch sizes, depths and
+#: recipe knobs it was not built from.
+HOLDOUT_CONFIGS = [
+    dict(arch="qwen3-0.6b", layers=28, batch=3, seq=1024, gc=True),
+    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=1536, gc=False),
+    dict(arch="llama-3.2-1b", layers=16, batch=1, seq=1024, gc=False),
+    dict(arch="llama-3.2-1b", layers=16, batch=4, seq=768, gc=True),
+    dict(arch="qwen3-4b", layers=8, batch=2, seq=1024, gc=False),
+    dict(arch="qwen3-4b", layers=4, batch=1, seq=3072, gc=True),
+    dict(arch="llama-3.1-8b", layers=4, batch=3, seq=1024, gc=True),
+    dict(arch="llama-3.1-8b", layers=8, batch=1, seq=1024, gc=False),
+    dict(arch="mistral-7b", layers=8, batch=1, seq=3072, gc=False),
+    dict(arch="mistral-7b", layers=4, batch=4, seq=512, gc=False),
+    dict(arch="llama-2-7b", layers=4, batch=2, seq=1024, gc=False),
+    dict(arch="llama-2-7b", layers=4, batch=2, seq=1024, gc=True),
+    dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True, r=8, dropout=0.1),
+    dict(arch="qwen3-4b", layers=4, batch=2, seq=1024, gc=False, optim="adamw8bit"),
+]
 #: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
 #: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS.
 MARK = 777_001
@@ -619,6 +638,7 @@ def main() -> int:
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--only", default=None, help="comma-separated architectures")
     ap.add_argument("--smoke", action="store_true", help="two tiny configs on the CPU")
+    ap.add_argument("--holdout", action="store_true", help="measure HOLDOUT_CONFIGS instead")
     ap.add_argument(
         "--trace",
         action="store_true",
@@ -635,6 +655,8 @@ def main() -> int:
     configs = config_matrix()
     if args.smoke:
         configs = [c for c in configs if c["arch"] == "tiny"]
+    if args.holdout:
+        configs = list(HOLDOUT_CONFIGS)
     if args.trace:
         configs = [dict(c, trace=str(out / "traces")) for c in TRACE_CONFIGS]
     if args.only:
