@@ -201,10 +201,9 @@ def test_bad_matmul_arguments() -> None:
     with pytest.raises(ValueError, match=rf"1 <= m <= {m - 1}, got \({m}, 128\)"):
         cuda.nf4_gemv(tokens((m, 128), "float32", 16), q)
     y = cp.empty((2, 64), cp.float16)
+    checked = _launch.GemvWeight(q.codes, q.absmax, None, "nf4", (64, 128), 64)
     with pytest.raises(ValueError, match="y: expected dtype float32, got float16"):
-        _launch.gemv(x, q.codes, q.absmax, None, "nf4", (64, 128), 64, y)
+        checked(x, y)
     with pytest.raises(ValueError, match=r"y: expected shape \(2, 64\)"):
-        _launch.gemv(
-            x, q.codes, q.absmax, None, "nf4", (64, 128), 64, cp.empty((64, 2), cp.float32)
-        )
+        checked(x, cp.empty((64, 2), cp.float32))
     cp.cuda.Device().synchronize()

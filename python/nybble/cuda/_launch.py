@@ -372,17 +372,3 @@ class GemvWeight:
         if kernel is None:
             kernel = self._kernels[name] = _module.function(name, dynamic_shared)
         return kernel
-
-
-def gemv(
-    x: Any,
-    codes: Any,
-    absmax: Any,
-    nested: NestedAbsmax | None,
-    codebook: str,
-    shape: tuple[int, int],
-    blocksize: int,
-    y: Any,
-) -> None:
-    """y[m, rows] = x[m, cols] @ W.T for a 4-bit W of `shape` [rows, cols], 1 <= m <= 8."""
-    GemvWeight(codes, absmax, nested, codebook, shape, blocksize)(x, y)
