@@ -72,6 +72,7 @@ __all__ = [
     "K_SMALL_SIZE",
     "BlockInfo",
     "CachingAllocator",
+    "DriverAddresses",
     "OutOfMemoryError",
     "SegmentInfo",
     "allocation_size",
