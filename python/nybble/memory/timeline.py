@@ -453,7 +453,9 @@ class PeftBnbTimeline:
         tp.free(gact, sv.pop("gate"))
         gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
         # the residual's gradient: the norm's gradients are summed into g's buffer
-        g1 = self._rmsnorm_backward(gxn2, h, t, sv, "norm2", True, into=g, into_owned=not hold_g)
+        g1 = self._rmsnorm_backward(
+            gxn2, h, t, sv, "norm2", free_g=True, into=g, into_owned=not hold_g
+        )
         tp.free(sv.pop("x1"))
         # attention
         # layer 0's input needs no gradient without checkpointing: o_proj is g1's last user
