@@ -232,6 +232,7 @@ def test_torch_tensors_are_read_without_a_copy() -> None:
         transposed = cuda.as_cupy(t.T)
         assert transposed.data.ptr == t.data_ptr() and transposed.shape == (96, 64)
         assert_same_tensor(nybble.quantize(t.T), nybble.quantize(np.ascontiguousarray(host.T)))
+    assert cuda.as_cupy(torch.empty((0, 4), device="cuda")).shape == (0, 4)
     # On another torch stream than CuPy's the view goes through DLPack, which orders the two.
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

@@ -90,12 +90,13 @@ def _torch_view(t: Any) -> Any:
 
     dtype = _TORCH_DTYPES.get(str(t.dtype))
     device = t.device.index
-    if dtype is None or torch.cuda.current_stream(device).cuda_stream != _cupy_stream(device):
+    same_stream = torch.cuda.current_stream(device).cuda_stream == _cupy_stream(device)
+    if dtype is None or t.numel() == 0 or not same_stream:
         if str(t.dtype) == "torch.bfloat16":  # CuPy's DLPack import lacks bfloat16
             return cp.from_dlpack(t.detach().view(torch.int16)).view(_arrays.BFLOAT16)
         return cp.from_dlpack(t.detach())
     shape, strides, size = tuple(t.shape), t.stride(), dtype.itemsize
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if t.numel() else 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     memory = cp.cuda.UnownedMemory(t.data_ptr(), extent * size, t, device)
     pointer = cp.cuda.MemoryPointer(memory, 0)
     return cp.ndarray(shape, dtype, pointer, tuple(s * size for s in strides))
