@@ -412,3 +412,8 @@ def test_segments_are_placed_as_the_driver_places_them() -> None:
     va.give_back(c, 2 * MiB)  # merged with the gap below it: 22 MiB from a
     assert va.take(48 * MiB) == b + 16 * MiB  # the rest of b's gap, lower down
     assert va.take(22 * MiB) == a
+    fresh = DriverAddresses()
+    a = fresh.take(20 * MiB)
+    fresh.give_back(a, 20 * MiB)
+    b = fresh.take(40 * MiB)  # a new chunk below; its rest joins the free one above
+    assert b == a - 64 * MiB and fresh.take(56 * MiB) == b + 40 * MiB

@@ -117,6 +117,8 @@ def test_gemv_reuses_a_weights_checks_until_its_arrays_change() -> None:
     odd = nybble.NF4Tensor(shifted, q.absmax, q.shape)
     assert_within_bound(cuda.nf4_gemv(x, odd), x, exact_weight(other).T, "bfloat16")
     assert odd not in cuda._gemv_weights
+    q.codebook = "fp4"  # the same codes, read as FP4
+    assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, "bfloat16")
 
 
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------

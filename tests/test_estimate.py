@@ -350,11 +350,10 @@ def test_a_new_framework_is_one_class() -> None:
         name = "flat-test"
         description = "everything in one phase"
 
-        def footprint(self, setup: TrainingSetup, allocator_cache: bool = True) -> Footprint:
+        def footprint(self, setup: TrainingSetup) -> Footprint:
             parts = {k: 0 for k in BREAKDOWN_KEYS}
             parts["activations"] = setup.tokens * 1000
-            cache = 10 if allocator_cache else 0
-            return Footprint([Phase("only", parts)], allocator_cache=cache, context=100)
+            return Footprint([Phase("only", parts)], allocator_cache=10, context=100)
 
     register_framework(Flat())
     try:

@@ -638,7 +638,9 @@ def main() -> int:
     ap.add_argument("--ckpt-root", default=None)
     ap.add_argument("--only", default=None, help="comma-separated architectures")
     ap.add_argument("--smoke", action="store_true", help="two tiny configs on the CPU")
-    ap.add_argument("--holdout", action="store_true", help="measure HOLDOUT_CONFIGS instead")
+    ap.add_argument(
+        "--holdout", action="store_true", help="measure HOLDOUT_CONFIGS into OUT/holdout.jsonl"
+    )
     ap.add_argument(
         "--trace",
         action="store_true",
@@ -649,7 +651,7 @@ def main() -> int:
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result_path = out / "measured.jsonl"
+    result_path = out / ("holdout.jsonl" if args.holdout else "measured.jsonl")
     device = "cpu" if args.smoke else "cuda"
 
     configs = config_matrix()

@@ -95,6 +95,8 @@ def _torch_view(t: Any) -> Any:
         if str(t.dtype) == "torch.bfloat16":  # CuPy's DLPack import lacks bfloat16
             return cp.from_dlpack(t.detach().view(torch.int16)).view(_arrays.BFLOAT16)
         return cp.from_dlpack(t.detach())
+    if t.is_neg() or t.is_conj():  # lazily negated or conjugated views: their values
+        t = t.resolve_neg().resolve_conj()
     shape, strides, size = tuple(t.shape), t.stride(), dtype.itemsize
     extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     memory = cp.cuda.UnownedMemory(t.data_ptr(), extent * size, t, device)
@@ -296,28 +298,31 @@ def _dense_rows(q: NF4Tensor, r0: int, r1: int, dtype: str) -> Any:
 
 
 #: Each weight's GemvWeight (the checks and launch arguments a GEMV call reuses) with the
-#: arrays it was made from, for as long as the weight lives; remade when they are replaced.
-_gemv_weights: weakref.WeakKeyDictionary[NF4Tensor, tuple[tuple[Any, ...], _launch.GemvWeight]] = (
-    weakref.WeakKeyDictionary()
-)
+#: arrays (by identity) and the format it was made from, for as long as the weight lives;
+#: remade when any of them changes.
+_gemv_weights: weakref.WeakKeyDictionary[
+    NF4Tensor, tuple[tuple[Any, ...], tuple[Any, ...], _launch.GemvWeight]
+] = weakref.WeakKeyDictionary()
 
 
 def _gemv_weight(q: NF4Tensor) -> _launch.GemvWeight:
     nested = q.nested
-    source = (q.codes, q.absmax if nested is None else nested)
+    held = (q.codes, q.absmax if nested is None else nested)
+    form = (q.codebook, q.blocksize, q.shape)
     cached = _gemv_weights.get(q)
-    if cached is not None and all(a is b for a, b in zip(cached[0], source, strict=True)):
-        return cached[1]
+    if cached is not None and cached[1] == form:
+        if all(a is b for a, b in zip(cached[0], held, strict=True)):
+            return cached[2]
     arrays = (q.codes, q.absmax) if nested is None else (q.codes, nested.codes, nested.absmax2)
     ready = [_ready(cp.asarray(a)) for a in arrays]
     scales = NestedAbsmax(ready[1], ready[2], nested.offset) if nested is not None else None
     absmax = ready[1] if nested is None else None
     shape = (q.shape[0], q.shape[1])
     w = _launch.GemvWeight(ready[0], absmax, scales, q.codebook, shape, q.blocksize)
-    if all(
-        a is b for a, b in zip(ready, arrays, strict=True)
-    ):  # no copies made: the same arrays next time
-        _gemv_weights[q] = (source, w)
+    if all(a is b for a, b in zip(ready, arrays, strict=True)):  # no copies: reusable
+        _gemv_weights[q] = (held, form, w)
+    else:  # copies are made per call; keep nothing that holds old arrays
+        _gemv_weights.pop(q, None)
     return w
 
 

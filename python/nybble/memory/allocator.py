@@ -119,7 +119,7 @@ class DriverAddresses:
         chunk = -(-size // _VA_CHUNK) * _VA_CHUNK
         self._bottom -= chunk
         if chunk > size:
-            insort(self._gaps, (self._bottom + size, self._bottom + chunk))
+            self.give_back(self._bottom + size, chunk - size)
         return self._bottom
 
     def give_back(self, address: int, size: int) -> None:

@@ -75,14 +75,15 @@ class MemoryEstimate:
         self, limit: int, changes: Callable[[int], dict[str, Any]], hi: int
     ) -> int:
         """Largest n in [1, hi] whose setup with `changes(n)` fits in `limit` bytes. The
-        estimate without the allocator's cache (arithmetic only) bounds it from below, so it
-        narrows the range; then a few full estimates (an allocator replay each) finish."""
+        framework's quick footprint (for transformers + PEFT + bitsandbytes: without the
+        allocator's cache, so no replay) bounds the total from below and narrows the range;
+        then a few full estimates finish."""
 
-        def total(n: int, allocator_cache: bool = True) -> int:
+        def total(n: int, quick: bool = False) -> int:
             setup = self.setup.with_(**changes(n))
-            return _estimate(setup, self.framework, allocator_cache).total_bytes
+            return _estimate(setup, self.framework, quick).total_bytes
 
-        top = _largest(lambda n: total(n, allocator_cache=False) <= limit, hi)
+        top = _largest(lambda n: total(n, quick=True) <= limit, hi)
         return _largest_within(total, limit, top)
 
     # --- output ---------------------------------------------------------------------
@@ -180,9 +181,9 @@ def _largest_within(total: Callable[[int], int], limit: int, top: int) -> int:
     return good
 
 
-def _estimate(setup: TrainingSetup, framework: str, allocator_cache: bool = True) -> MemoryEstimate:
+def _estimate(setup: TrainingSetup, framework: str, quick: bool = False) -> MemoryEstimate:
     model = get_framework(framework)
-    fp: Footprint = model.footprint(setup, allocator_cache)
+    fp: Footprint = model.quick_footprint(setup) if quick else model.footprint(setup)
     peak: Phase = fp.peak
     allocated = peak.total
     reserved = allocated + fp.allocator_cache

@@ -82,9 +82,13 @@ class FrameworkModel(ABC):
     description: ClassVar[str]
 
     @abstractmethod
-    def footprint(self, setup: TrainingSetup, allocator_cache: bool = True) -> Footprint:
-        """Phases, allocator cache and CUDA context of one training step of `setup`. With
-        `allocator_cache=False` the cache is left at 0: a lower bound, quick to compute."""
+    def footprint(self, setup: TrainingSetup) -> Footprint:
+        """Phases, allocator cache and CUDA context of one training step of `setup`."""
+
+    def quick_footprint(self, setup: TrainingSetup) -> Footprint:
+        """A footprint whose total is never above `footprint`'s, for searches to rule out
+        sizes quickly; by default `footprint` itself."""
+        return self.footprint(setup)
 
 
 FRAMEWORKS: dict[str, FrameworkModel] = {}
@@ -235,7 +239,14 @@ class PeftBnb(FrameworkModel):
                 lora_a += (lb + 1) * t * a.linear_shapes()[name][1]
         return dict(attention=attn, mlp=mlp, lora=lora_a)
 
-    def footprint(self, s: TrainingSetup, allocator_cache: bool = True) -> Footprint:
+    def footprint(self, s: TrainingSetup) -> Footprint:
+        return self._footprint(s, allocator_cache=True)
+
+    def quick_footprint(self, s: TrainingSetup) -> Footprint:
+        """Without the allocator's cache (no replay): the allocated peak and the context."""
+        return self._footprint(s, allocator_cache=False)
+
+    def _footprint(self, s: TrainingSetup, allocator_cache: bool) -> Footprint:
         a, t, c = s.arch, s.tokens, self.c
         e = self.act_bytes(s)
         h, i, qd, kvd, v = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim, a.vocab_size
