@@ -23,7 +23,7 @@ from typing import ClassVar
 from .allocator import replay
 from .presets import MiB
 from .quant import FLOAT_FORMATS, stored_weight
-from .setup import TrainingSetup, optimizer_states
+from .setup import TrainingSetup, optimizer_states, optimizer_temporaries
 from .timeline import CUBLAS_WORKSPACE, peft_bnb_events
 
 #: The components of every breakdown, in display order.
@@ -185,10 +185,7 @@ class PeftBnb(FrameworkModel):
         return sum(blk(b) for n in tensors for b in optimizer_states(s.optimizer, n, pbytes))
 
     def optimizer_temporaries(self, s: TrainingSetup, tensors: list[int], pbytes: int) -> int:
-        """torch's foreach AdamW makes one temporary list (sqrt of the second moment)."""
-        if s.optimizer == "adamw":
-            return sum(blk(n * pbytes) for n in tensors)
-        return 0
+        return sum(blk(b) for n in tensors for b in optimizer_temporaries(s.optimizer, n, pbytes))
 
     # --- activations ----------------------------------------------------------------
 

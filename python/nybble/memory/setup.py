@@ -38,6 +38,12 @@ def optimizer_states(optimizer: str, elems: int, pbytes: int) -> list[int]:
     return []  # SGD without momentum
 
 
+def optimizer_temporaries(optimizer: str, elems: int, pbytes: int) -> list[int]:
+    """Bytes of each temporary the optimizer step makes for one parameter of `elems` elements:
+    torch's foreach AdamW takes the square root of the second moments into a new list."""
+    return [elems * pbytes] if optimizer == "adamw" else []
+
+
 def resolve_model(model: ModelLike) -> Architecture:
     """A preset name, a path to an HF `config.json` (or its folder), a config dict, or an
     `Architecture`."""

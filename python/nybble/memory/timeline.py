@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .arch import ATTENTION_PROJECTIONS
 from .quant import FLOAT_FORMATS, stored_weight
-from .setup import TrainingSetup, optimizer_states
+from .setup import TrainingSetup, optimizer_states, optimizer_temporaries
 
 Event = tuple[str, int, int]
 
@@ -603,10 +603,12 @@ class PeftBnbTimeline:
             for n in s.lora_tensors():
                 for state in optimizer_states(s.optimizer, n, self.lb):
                     tp.new(state)
-        if s.optimizer == "adamw":
-            # foreach's sqrt of the second moments, one per parameter
-            temps = [tp.new(self.lb * n) for n in s.lora_tensors()]
-            tp.free(*temps)
+        temps = [
+            tp.new(b)
+            for n in s.lora_tensors()
+            for b in optimizer_temporaries(s.optimizer, n, self.lb)
+        ]
+        tp.free(*temps)
         tp.free(*self.lora_grads)  # zero_grad(set_to_none=True)
         self.lora_grads = []
 
