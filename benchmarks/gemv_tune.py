@@ -1,7 +1,8 @@
 """Times the tensor-core 4-bit GEMV over its compile-time parameters (warps per block, stages,
 groups per stage) on this GPU: how the defaults in kernels/nf4.cu were chosen.
 
-    python benchmarks/gemv_tune.py [--configs 8:4:16,8:3:32] [--old OLD.cu] [--out-dir DIR]
+    python benchmarks/gemv_tune.py [--configs 8:4:16,8:3:32] [--old OLD.cu] [--double-quant]
+                                   [--out-dir DIR]
 
 Each configuration is compiled from the kernel source with -DTC_WARPS/-DTC_STAGES/
 -DTC_STAGE_GROUPS, checked
@@ -39,20 +40,25 @@ def compile_module(source_text: str | None, defines: list[str]) -> Any:
 
 def tc_launcher(module: Any, config: tuple[int, int, int], x: Any, y: Any) -> Any:
     warps, stages, stage_groups = config
-    kernels = {g: module.get_function(f"gemv_tc_bf16_g{g}") for g in (32, 64)}
-    smem = {g: _launch.tc_shared_bytes(g, stages, stage_groups) for g in (32, 64)}
-    for g, kernel in kernels.items():
-        _module.allow_dynamic_shared(kernel, smem[g])
+    smem, kernels = {}, {}
+    for g in (32, 64):
+        for dq in ("", "_dq"):
+            smem[g, dq] = _launch.tc_shared_bytes(g, dq != "", stages, stage_groups)
+            kernels[g, dq] = module.get_function(f"gemv_tc_bf16_g{g}{dq}")
+            _module.allow_dynamic_shared(kernels[g, dq], smem[g, dq])
 
     def launch(q: nybble.NF4Tensor) -> None:
         rows, cols = q.shape
         g = 64 if cols % 64 == 0 and q.blocksize >= 64 else 32
         log2_bs = _launch._log2_blocksize(q.blocksize)
         table = _launch.table("values", "nf4")
-        args = (x, q.codes, q.absmax, table, np.int32(rows), np.int32(cols), np.int32(x.shape[0]),
+        absmax = None if q.nested is not None else q.absmax
+        scales = _launch._scale_args(absmax, q.nested, -(-rows * cols // q.blocksize))
+        args = (x, q.codes, *scales, table, np.int32(rows), np.int32(cols), np.int32(x.shape[0]),
                 log2_bs, y)  # fmt: skip
         grid = (-(-rows // _launch.TC_ROWS),)
-        kernels[g](grid, (32 * warps,), args, shared_mem=smem[g])
+        dq = "" if q.nested is None else "_dq"
+        kernels[g, dq](grid, (32 * warps,), args, shared_mem=smem[g, dq])
 
     return launch
 
@@ -75,6 +81,7 @@ def main() -> None:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="warps:stages:groups,...")
     parser.add_argument("--old", type=Path, help="an earlier kernels/nf4.cu to time as well")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--double-quant", action="store_true", help="time the nested kernels")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
@@ -90,17 +97,17 @@ def main() -> None:
     records: list[dict[str, Any]] = []
     for rows, cols in SHAPES:
         w = host_bf16((rows, cols), 2)
-        q = nybble.quantize(w)
-        k = copies(codes_bytes(rows * cols))
+        q = nybble.quantize(w, double_quant=args.double_quant)
+        k = copies(codes_bytes(rows * cols, args.double_quant))
         qs = [q] + [clone_q(q) for _ in range(k - 1)]
         dense = cuda.dequantize(q, "float32")
         for m in (1, 4, 8):
             x = host_bf16((m, cols), 3)
             y = cp.empty((m, rows), x.dtype)
             want = x.astype(cp.float32) @ dense.T
-            nbytes = codes_bytes(rows * cols) + 2 * m * (cols + rows)
+            nbytes = codes_bytes(rows * cols, args.double_quant) + 2 * m * (cols + rows)
             runs = [(name, tc_launcher(module, cfg, x, y)) for name, module, cfg in variants]
-            if old is not None and m <= 4:
+            if old is not None and m <= 4 and not args.double_quant:
                 runs.insert(0, ("old kernel (CUDA cores)", old_launcher(old, x, y)))
             for name, launch in runs:
                 y.fill(0)
@@ -119,7 +126,8 @@ def main() -> None:
                 }
                 emit(record, records)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "gemv_tune.json").write_text(
+    name = "gemv_tune_dq.json" if args.double_quant else "gemv_tune.json"
+    (args.out_dir / name).write_text(
         json.dumps({"copy_gb_per_s": bench.copy_gbs, "records": records}, indent=2) + "\n"
     )
 

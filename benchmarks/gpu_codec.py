@@ -30,6 +30,7 @@ from _timing import RESULTS, emit
 import nybble
 from nybble import cuda
 from nybble.cuda import _launch
+from nybble.tensor import NestedAbsmax
 
 SHAPES = [(4096, 4096), (14336, 4096), (8192, 8192)]
 BLOCKSIZE = 64
@@ -134,11 +135,17 @@ def clone(a: Any) -> Any:
 
 
 def clone_q(q: nybble.NF4Tensor) -> nybble.NF4Tensor:
-    return nybble.NF4Tensor(clone(q.codes), clone(q.absmax), q.shape, q.blocksize, q.codebook)
+    if q.nested is None:
+        return nybble.NF4Tensor(clone(q.codes), clone(q.absmax), q.shape, q.blocksize, q.codebook)
+    nested = NestedAbsmax(clone(q.nested.codes), clone(q.nested.absmax2), q.nested.offset)
+    return nybble.NF4Tensor(clone(q.codes), None, q.shape, q.blocksize, q.codebook, nested)
 
 
-def codes_bytes(n: int) -> int:
-    return n // 2 + 4 * (n // BLOCKSIZE)
+def codes_bytes(n: int, double_quant: bool = False) -> int:
+    """Bytes of an NF4 weight of n elements: codes and scales (double-quantized: one byte per
+    block, a float32 per 256 blocks)."""
+    blocks = n // BLOCKSIZE
+    return n // 2 + (blocks + 4 * -(-blocks // 256) if double_quant else 4 * blocks)
 
 
 def bnb_modules() -> tuple[Any, Any, Any]:
@@ -354,6 +361,58 @@ class Bench:
             extra = {"fused_us": None if fused is None else round(fused * 1e6, 2)}
             self.record(f"{m} tokens: dequantize + cuBLAS", shape, via_cublas, **extra)
 
+    def gemv_double_quant(self, rows: int, cols: int, bnb: Any) -> None:
+        """The 1-token GEMV of a double-quantized weight (QLoRA's storage), against bnb's with
+        compressed statistics and against decoding the scales first: GPU time per call and in
+        a row, wall time per call back to back."""
+        bitsandbytes, bnbf, torch = bnb
+        shape, n = f"{rows}x{cols}", rows * cols
+        w16 = host_bf16((rows, cols), 2)
+        k = copies(codes_bytes(n, True))
+        q = nybble.quantize(w16, double_quant=True)
+        qs = [q] + [clone_q(q) for _ in range(k - 1)]
+        x = host_bf16((1, cols), 3)
+        nbytes = codes_bytes(n, True) + 2 * (cols + rows)
+        packed, state = bnbf.quantize_4bit(
+            torch_view(w16, torch), blocksize=BLOCKSIZE, quant_type="nf4", compress_statistics=True
+        )
+        theirs = [(packed, state)] + [(packed.clone(), state) for _ in range(k - 1)]
+        tx = torch_view(x, torch)
+        # The unfused way for comparison: the scales decoded by a kernel of their own into a
+        # float32 buffer, then the plain GEMV.
+        nblocks = n // BLOCKSIZE
+        plain = [
+            nybble.NF4Tensor(qi.codes, cp.empty(nblocks, cp.float32), q.shape, q.blocksize)
+            for qi in qs
+        ]
+
+        def two_kernels(i: int) -> Any:
+            assert qs[i % k].nested is not None
+            _launch.decode_scales(qs[i % k].nested, nblocks, plain[i % k].absmax)
+            return cuda.nf4_matmul(x, plain[i % k])
+
+        calls = {
+            "nybble DQ GEMV": lambda i: cuda.nf4_matmul(x, qs[i % k]),
+            "bnb DQ matmul_4bit": lambda i: bitsandbytes.matmul_4bit(
+                tx, theirs[i % k][0].t(), quant_state=theirs[i % k][1]
+            ),
+            "decode scales + plain GEMV": two_kernels,
+        }
+        for how, measure in (
+            ("", gpu_median),
+            ("in a row: ", gpu_in_a_row),
+            ("back to back: ", loop_per_call),
+        ):
+            times = {name: measure(fn, self.repeat) for name, fn in calls.items()}
+            ours = times["nybble DQ GEMV"]
+            for name, seconds in times.items():
+                extra: dict[str, Any] = (
+                    {} if name == "nybble DQ GEMV" else {"nybble_speedup": round(seconds / ours, 2)}
+                )
+                if how != "back to back: ":
+                    extra["nbytes"] = nbytes
+                self.record(f"{how}{name} 1 token bf16", shape, seconds, **extra)
+
     # --- QLoRA layer forward + backward ---------------------------------------------------
 
     def qlora(self, rows: int, cols: int, tokens: int = 4096, r: int = 16) -> None:
@@ -411,6 +470,13 @@ def summary(records: list[dict[str, Any]], copy_gbs: float) -> dict[str, Any]:
         gemv[f"GEMV >= 2.5x dense bf16{how}"] = target(
             f"{prefix}dense bf16 GEMV", "nybble_speedup", lambda v: v >= 2.5, min
         )
+        if how in ("", ", calls in a row"):  # double-quantized weights, against bnb's
+            gemv[f"DQ GEMV >= 70% of copy{how or ' on bytes read'}"] = target(
+                f"{prefix}nybble DQ GEMV", "pct_of_copy", lambda v: v >= 70, min
+            )
+            gemv[f"DQ GEMV >= 4x bnb DQ{how}"] = target(
+                f"{prefix}bnb DQ matmul_4bit", "nybble_speedup", lambda v: v >= 4, min
+            )
     return {
         "copy_gb_per_s": round(copy_gbs, 1),
         "dequantize >= 85% of copy": target(
@@ -468,6 +534,8 @@ def main() -> None:
         bench.section(bench.codec, rows, cols, bnb)
     for rows, cols in SHAPES:
         bench.section(bench.gemv, rows, cols, bnb)
+    for rows, cols in SHAPES:
+        bench.section(bench.gemv_double_quant, rows, cols, bnb)
     for rows, cols in SHAPES[:2]:
         bench.section(bench.qlora, rows, cols)
     result = {

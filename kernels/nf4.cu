@@ -672,7 +672,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// A block computes 16 rows of W [rows, cols] (split layout, float32 scales) for up to 8 tokens.
+// A block computes 16 rows of W [rows, cols] (split layout) for up to 8 tokens.
 // The rows stream through shared memory in *stages* of TC_STAGE_GROUPS groups of G = 64 (or 32)
 // elements, a group being the span of one scale: TC_STAGES - 1 stages are in flight as
 // asynchronous copies (a warp copies 512 contiguous bytes of a row), so the loads are few and
@@ -688,6 +688,13 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // to the tokens' 16-bit format (as the dequantize + cuBLAS path rounds the weights). Threads
 // past the rows or the tokens read a real row or token (rows - 1, token m - 1), whose results
 // are never written. The warps' sums meet in shared memory.
+// Double-quantized scales (NESTED) arrive as they are stored, 1 byte per block: a row's scale
+// area then holds the aligned words of dynamic-map codes that span the row's blocks in the stage
+// (TC_NESTED_WORDS of them) and the absmax2 of its first block and of the next one (the stage's
+// blocks cross at most one boundary of 256). The block decodes them a stage ahead, one scale per
+// thread, into a float32 buffer that the next barrier publishes: so the nested kernel keeps one
+// more stage in shared memory (stage s + 1 has landed while stage s is multiplied) and its
+// multiply loop is the plain one.
 #ifndef TC_WARPS
 #define TC_WARPS 8
 #endif
@@ -700,6 +707,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #define TC_ROWS 16
 #define TC_TOKENS 8
 #define TC_LUT_BYTES (256 * 256)
+#define TC_NESTED_WORDS (TC_STAGE_GROUPS / 4 + 1)
 
 // One stage in shared memory: the codes of 16 rows, each row padded by 32 bytes so that the
 // pieces of 4 consecutive rows fall in different banks, then the rows' scales (padded by one
@@ -715,11 +723,11 @@ template <int G> struct TcStage {
     };
 };
 
-template <int D, int G>
+template <int D, int G, bool NESTED>
 __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __restrict__ codes,
-                                        const float* __restrict__ absmax,
-                                        const float* __restrict__ table, int rows, int cols,
-                                        int m, int log2_bs, u16* __restrict__ y) {
+                                        const Scales sc, const float* __restrict__ table,
+                                        int rows, int cols, int m, int log2_bs,
+                                        u16* __restrict__ y) {
     typedef TcStage<G> St;
     enum {
         SK = TC_STAGE_GROUPS,
@@ -729,19 +737,24 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
         XVECS = G / 64 + 1,                          // 16-byte vectors of token values per group
         CODE_COPIES = TC_ROWS * St::ROW_CHUNKS / NTHREADS,  // 16-byte copies per thread
         SCALE_COPIES = TC_ROWS * SK / NTHREADS,             // 4-byte copies per thread
+        SLOTS = TC_STAGES + NESTED,                         // stages in shared memory
     };
     static_assert(CODE_COPIES * NTHREADS == TC_ROWS * St::ROW_CHUNKS, "whole code copies");
     static_assert(SCALE_COPIES * NTHREADS == TC_ROWS * SK, "whole scale copies");
     static_assert(SK % TC_WARPS == 0, "whole groups per warp");
+    static_assert(SK % 4 == 0 && TC_NESTED_WORDS + 2 <= SK, "a row's nested scales fit its area");
     extern __shared__ __align__(16) unsigned char smem[];  // the pair table, then the stages
     __shared__ float partial[TC_WARPS][TC_ROWS][TC_TOKENS];
+    __shared__ float dmap[NESTED ? 256 : 1];  // the dynamic map of nested scales
+    __shared__ float decoded[NESTED ? 2 : 1][TC_ROWS][St::SCALE_PITCH];  // stages s, s + 1
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.x * TC_ROWS;
     const int groups = cols / G;
     const int nstages = (groups + SK - 1) / SK;
     const u32 stages = shared_address(smem) + TC_LUT_BYTES;
-    const int shift = log2_bs - (G == 64 ? 6 : 5);  // a group's scale: group number >> shift
+    const int shift = log2_bs - (G == 64 ? 6 : 5);  // a group's block: group number >> shift
+    const u32 nblocks = (u32)(((u64)rows * cols + (1u << log2_bs) - 1) >> log2_bs);
 
     // This thread's copies: code chunk c = threadIdx.x + i * NTHREADS of a stage is row
     // c / ROW_CHUNKS, bytes 16 * (c % ROW_CHUNKS); scale copy c is row c / SK, group c % SK.
@@ -756,20 +769,23 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
         code_src[i] = codes + (i64)min(r0 + r, rows - 1) * (cols / 2) + code_at[i];
         code_dst[i] = r * St::PITCH + code_at[i];
     }
-    u32 scale_group[SCALE_COPIES], scale_dst[SCALE_COPIES];
+    // Nested: copy q of a row is its word q (q < TC_NESTED_WORDS) or absmax2 q - TC_NESTED_WORDS.
+    // The nested kernel's decode (below) takes the same (row, q) pairs.
+    u32 scale_group[SCALE_COPIES], scale_at[SCALE_COPIES];  // at: word of the scale area
     int scale_q[SCALE_COPIES];
 #pragma unroll
     for (int i = 0; i < SCALE_COPIES; ++i) {
         const int c = threadIdx.x + i * NTHREADS, r = c / SK;
         scale_q[i] = c % SK;
-        scale_group[i] = (u32)min(r0 + r, rows - 1) * (u32)groups + scale_q[i];
-        scale_dst[i] = St::CODES + (r * St::SCALE_PITCH + scale_q[i]) * 4;
+        scale_group[i] = (u32)min(r0 + r, rows - 1) * (u32)groups + (NESTED ? 0 : scale_q[i]);
+        scale_at[i] = r * St::SCALE_PITCH + scale_q[i];
     }
-    // Copies stage s into slot s % TC_STAGES, zeros past the rows' end. Every thread commits a
+    const u32 nblocks2 = (nblocks + 255) / 256;  // absmax2 entries
+    // Copies stage s into slot s % SLOTS, zeros past the rows' end. Every thread commits a
     // group of copies each call, also past the last stage, so that waiting counts alike.
     auto issue = [&](int s) {
         if (s < nstages) {
-            const u32 slot = stages + (s % TC_STAGES) * St::BYTES;
+            const u32 slot = stages + (s % SLOTS) * St::BYTES;
 #pragma unroll
             for (int i = 0; i < CODE_COPIES; ++i) {
                 const bool ok = s * St::ROW_BYTES + code_at[i] < cols / 2;
@@ -777,15 +793,28 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
             }
 #pragma unroll
             for (int i = 0; i < SCALE_COPIES; ++i) {
-                const bool ok = s * SK + scale_q[i] < groups;
-                const u32 group = scale_group[i] + s * SK;
-                cp_async4(slot + scale_dst[i], absmax + (ok ? group >> shift : 0), ok ? 4 : 0);
+                const int q = scale_q[i];
+                const u32 group = scale_group[i] + s * SK, dst = slot + St::CODES + 4 * scale_at[i];
+                if (!NESTED) {
+                    const bool ok = s * SK + q < groups;
+                    cp_async4(dst, sc.absmax + (ok ? group >> shift : 0), ok ? 4 : 0);
+                } else {  // a word of codes, an absmax2 or (q past them) nothing; no branches
+                    const u32 first = group >> shift;
+                    const bool word = q < TC_NESTED_WORDS;
+                    const u32 at =
+                        word ? (first & ~3u) + 4 * q : (first >> 8) + q - TC_NESTED_WORDS;
+                    const u32 end = word ? nblocks : nblocks2;
+                    const bool ok = q < TC_NESTED_WORDS + 2 && at < end;
+                    const int n = ok ? (word ? (int)min(end - at, 4u) : 4) : 0;  // zeros past end
+                    const void* src = word ? (const void*)(sc.qcodes + at) : sc.absmax2 + at;
+                    cp_async4(dst, ok ? src : sc.qcodes, n);
+                }
             }
         }
         cp_async_commit();
     };
 #pragma unroll
-    for (int s = 0; s < TC_STAGES - 1; ++s) issue(s);
+    for (int s = 0; s < SLOTS - 1; ++s) issue(s);
 
     // The pair table, while the first stages are in flight: entry b holds the values of the low
     // nibble (lower half) and the high nibble; each thread writes 16-byte runs of copies,
@@ -798,6 +827,28 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
             *reinterpret_cast<uint4*>(smem + b * 256 + 16 * ((j + b) & 7)) =
                 make_uint4(v, v, v, v);
     }
+    // The scales of stage s (landed and published), decoded into decoded[s & 1] as Scales does:
+    // map[code] * absmax2 + offset.
+    auto decode = [&](int s) {
+        const float* area = reinterpret_cast<const float*>(
+            smem + TC_LUT_BYTES + (s % SLOTS) * St::BYTES + St::CODES);
+#pragma unroll
+        for (int i = 0; i < SCALE_COPIES; ++i) {
+            const int q = scale_q[i];
+            const u32 group = scale_group[i] + s * SK;
+            const u32 first = group >> shift, block = (group + q) >> shift;
+            const float* row = area + scale_at[i] - q;
+            const u8 code = reinterpret_cast<const u8*>(row)[block - (first & ~3u)];
+            const float a2 = row[TC_NESTED_WORDS + (block >> 8) - (first >> 8)];
+            (&decoded[s & 1][0][0])[scale_at[i]] = __fadd_rn(__fmul_rn(dmap[code], a2), sc.offset);
+        }
+    };
+    if (NESTED) {
+        for (int b = threadIdx.x; b < 256; b += NTHREADS) dmap[b] = __ldg(sc.dmap + b);
+        cp_async_wait<SLOTS - 2>();
+        __syncthreads();  // stage 0 and the map arrived everywhere
+        decode(0);
+    }
     const u32 lane4 = 4 * lane;
     // The pair of byte k of w: one permute makes the address w.byte[k] * 256 + 4 * lane.
     auto pair = [&](u32 w, int k) -> u32 {
@@ -808,9 +859,10 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const u16* xg = x + (i64)min(g, m - 1) * cols + t * (G / 4);
     for (int s = 0; s < nstages; ++s) {
-        cp_async_wait<TC_STAGES - 2>();
-        __syncthreads();  // stage s arrived everywhere; stage s - 1 multiplied everywhere
-        issue(s + TC_STAGES - 1);  // into the slot of stage s - 1
+        cp_async_wait<SLOTS - 2 - NESTED>();
+        __syncthreads();  // stage s (nested: s + 1) arrived everywhere; s - 1 multiplied
+        issue(s + SLOTS - 1);  // into the slot of stage s - 1
+        if (NESTED && s + 1 < nstages) decode(s + 1);
         // The tokens' values of all this warp's groups first: their loads (L2 hits, slow while
         // the weights stream) are then in flight together, ahead of the shared-memory work.
         u32 xw[SK / TC_WARPS][4 * XVECS];
@@ -828,8 +880,9 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
                 xw[i][4 * h + 3] = v.w;
             }
         }
-        const unsigned char* slot = smem + TC_LUT_BYTES + (s % TC_STAGES) * St::BYTES;
-        const float* scale = reinterpret_cast<const float*>(slot + St::CODES);
+        const unsigned char* slot = smem + TC_LUT_BYTES + (s % SLOTS) * St::BYTES;
+        const float* scale =
+            NESTED ? &decoded[s & 1][0][0] : reinterpret_cast<const float*>(slot + St::CODES);
 #pragma unroll
         for (int i = 0; i < SK / TC_WARPS; ++i) {
             const int q = warp + i * TC_WARPS;
@@ -876,14 +929,19 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
 // The minimum of one block per multiprocessor lets ptxas take the registers it wants (86): left
 // to itself it held this kernel to 48 and spilled, 8-12% slower on an H100. Shared memory allows
 // 2 blocks per multiprocessor either way.
-#define GEMV_TC(NAME, D, G)                                                                    \
+// The plain and the nested kernels take the same arguments (SCALE_PARAMS; `nested` unread).
+#define GEMV_TC(NAME, D, G, NESTED)                                                            \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                             \
-        NAME(const u16* __restrict__ x, const u8* __restrict__ codes,                          \
-             const float* __restrict__ absmax, const float* __restrict__ table, int rows,       \
-             int cols, int m, int log2_bs, u16* __restrict__ y) {                              \
-        gemv_tc<D, G>(x, codes, absmax, table, rows, cols, m, log2_bs, y);                     \
+        NAME(const u16* __restrict__ x, const u8* __restrict__ codes, SCALE_PARAMS,            \
+             const float* __restrict__ table, int rows, int cols, int m, int log2_bs,          \
+             u16* __restrict__ y) {                                                            \
+        gemv_tc<D, G, NESTED>(x, codes, SCALE_ARGS, table, rows, cols, m, log2_bs, y);         \
     }
-GEMV_TC(gemv_tc_f16_g64, 1, 64)
-GEMV_TC(gemv_tc_bf16_g64, 2, 64)
-GEMV_TC(gemv_tc_f16_g32, 1, 32)
-GEMV_TC(gemv_tc_bf16_g32, 2, 32)
+GEMV_TC(gemv_tc_f16_g64, 1, 64, false)
+GEMV_TC(gemv_tc_bf16_g64, 2, 64, false)
+GEMV_TC(gemv_tc_f16_g32, 1, 32, false)
+GEMV_TC(gemv_tc_bf16_g32, 2, 32, false)
+GEMV_TC(gemv_tc_f16_g64_dq, 1, 64, true)
+GEMV_TC(gemv_tc_bf16_g64_dq, 2, 64, true)
+GEMV_TC(gemv_tc_f16_g32_dq, 1, 32, true)
+GEMV_TC(gemv_tc_bf16_g32_dq, 2, 32, true)

@@ -42,13 +42,14 @@ TC_STAGE_GROUPS = 16  # the kernels' TC_STAGE_GROUPS
 
 
 def tc_shared_bytes(
-    group: int, stages: int = TC_STAGES, stage_groups: int = TC_STAGE_GROUPS
+    group: int, nested: bool, stages: int = TC_STAGES, stage_groups: int = TC_STAGE_GROUPS
 ) -> int:
     """Dynamic shared memory of the tensor-core GEMV (the kernels' TC_LUT_BYTES and TcStage):
-    the pair table, then `stages` stages of 16 padded rows of codes and of scales."""
+    the pair table, then `stages` stages (one more for nested scales) of 16 padded rows of
+    codes and of scales."""
     row_bytes = stage_groups * group // 2
     stage = TC_ROWS * (row_bytes + 32) + TC_ROWS * (stage_groups + 1) * 4
-    return TC_LUT_BYTES + stages * stage
+    return TC_LUT_BYTES + (stages + nested) * stage
 
 
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
@@ -60,7 +61,9 @@ def kernel_names() -> list[str]:
     names += [f"dequant8_{s}" for s in _SUFFIX.values()]
     names += [f"quantize_{f}_{s}" for f in QUANT_FORMATS for s in _SUFFIX.values()]
     names += [f"gemv_f32_m{m}" for m in range(1, GEMV_F32_TOKENS + 1)]
-    names += [f"gemv_tc_{s}_g{g}" for s in ("f16", "bf16") for g in (32, 64)]
+    names += [
+        f"gemv_tc_{s}_g{g}{dq}" for s in ("f16", "bf16") for g in (32, 64) for dq in ("", "_dq")
+    ]
     return [*names, "narrow_f64", "decode_scales"]
 
 
@@ -319,18 +322,19 @@ class GemvWeight:
         self.rows, self.cols = rows, cols = shape
         self.log2_bs = _log2_blocksize(blocksize)
         check_array(codes, "codes", ("uint8",), rows * cols // 2)
-        self.nblocks = -(-(rows * cols) // blocksize)
-        self.scales = _scale_args(absmax, nested, self.nblocks)
-        self.codes, self.absmax, self.nested = codes, absmax, nested
+        self.scales = _scale_args(absmax, nested, -(-(rows * cols) // blocksize))
+        self.codes = codes
         self.device = codes.device.id
         self.values = table("values", codebook)
         # Groups of 64 elements need rows and scales that start on 64-element boundaries.
         self.group = 64 if cols % 64 == 0 and blocksize >= 64 else 32
         if rows * cols // self.group >= 2**32:  # the kernel numbers groups in 32 bits
             raise ValueError(f"the fused GEMV takes fewer than 2^37 weights, got shape {shape}")
-        self.smem = tc_shared_bytes(self.group)
+        self.smem = tc_shared_bytes(self.group, nested is not None)
         self.dims = (np.int32(rows), np.int32(cols))
-        self.n64 = np.int64(self.nblocks)
+        # The tensor-core kernels by token dtype; their _dq variants decode nested scales.
+        dq = "" if nested is None else "_dq"
+        self.tc_names = {d: f"gemv_tc_{_SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]}
         self.tc_grid = _grid(rows, TC_ROWS)
         self._kernels: dict[str, Any] = {}
 
@@ -357,13 +361,8 @@ class GemvWeight:
                 kernel = self._kernel(f"gemv_f32_m{xt.shape[0]}")
                 kernel(_grid(rows, GEMV_ROWS_PER_BLOCK), (GEMV_THREADS,), (xt, *args, yt))
             return
-        absmax = self.absmax
-        if self.nested is not None:  # the kernel reads float32 scales: decode them first
-            absmax = cp.empty(self.nblocks, cp.float32)
-            decode = self._kernel("decode_scales")
-            decode(_grid(self.nblocks, THREADS), (THREADS,), (*self.scales, self.n64, absmax))
-        kernel = self._kernel(f"gemv_tc_{_SUFFIX[name]}_g{self.group}", self.smem)
-        args = (x, self.codes, absmax, self.values, *self.dims, np.int32(m), self.log2_bs, y)
+        kernel = self._kernel(self.tc_names[name], self.smem)
+        args = (x, self.codes, *self.scales, self.values, *self.dims, np.int32(m), self.log2_bs, y)
         kernel(self.tc_grid, (TC_THREADS,), args, shared_mem=self.smem)
 
     def _kernel(self, name: str, dynamic_shared: int = 0) -> Any:
