@@ -43,7 +43,7 @@ def tc_launcher(module: Any, config: tuple[int, int, int], x: Any, y: Any) -> An
     smem, kernels = {}, {}
     for g in (32, 64):
         for dq in ("", "_dq"):
-            smem[g, dq] = _launch.tc_shared_bytes(g, dq != "", stages, stage_groups)
+            smem[g, dq] = _launch.tc_shared_bytes(g, stages, stage_groups)
             kernels[g, dq] = module.get_function(f"gemv_tc_bf16_g{g}{dq}")
             _module.allow_dynamic_shared(kernels[g, dq], smem[g, dq])
 

@@ -42,14 +42,13 @@ TC_STAGE_GROUPS = 16  # the kernels' TC_STAGE_GROUPS
 
 
 def tc_shared_bytes(
-    group: int, nested: bool, stages: int = TC_STAGES, stage_groups: int = TC_STAGE_GROUPS
+    group: int, stages: int = TC_STAGES, stage_groups: int = TC_STAGE_GROUPS
 ) -> int:
     """Dynamic shared memory of the tensor-core GEMV (the kernels' TC_LUT_BYTES and TcStage):
-    the pair table, then `stages` stages (one more for nested scales) of 16 padded rows of
-    codes and of scales."""
+    the pair table, then `stages` stages of 16 padded rows of codes and of scales."""
     row_bytes = stage_groups * group // 2
     stage = TC_ROWS * (row_bytes + 32) + TC_ROWS * (stage_groups + 1) * 4
-    return TC_LUT_BYTES + (stages + nested) * stage
+    return TC_LUT_BYTES + stages * stage
 
 
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
@@ -330,7 +329,7 @@ class GemvWeight:
         self.group = 64 if cols % 64 == 0 and blocksize >= 64 else 32
         if rows * cols // self.group >= 2**32:  # the kernel numbers groups in 32 bits
             raise ValueError(f"the fused GEMV takes fewer than 2^37 weights, got shape {shape}")
-        self.smem = tc_shared_bytes(self.group, nested is not None)
+        self.smem = tc_shared_bytes(self.group)
         self.dims = (np.int32(rows), np.int32(cols))
         # The tensor-core kernels by token dtype; their _dq variants decode nested scales.
         dq = "" if nested is None else "_dq"
