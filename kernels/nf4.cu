@@ -814,19 +814,32 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
         }
         cp_async_commit();
     };
+    // The pair table: entry b holds the values of the low nibble (lower half) and the high
+    // nibble. Its values (and the nested scales' map) are loaded before the first stages' copies
+    // are issued, so that they do not queue behind them, and written while those are in flight
+    // (on an H100 up to 4% faster at 4096^2, within the noise at larger weights). Each thread
+    // writes 16-byte runs of copies of an entry, rotated so that the 8 threads of a store phase
+    // hit different banks.
+    static_assert(256 % NTHREADS == 0, "whole table entries per thread");
+    u32 entry[256 / NTHREADS];
+    float map_value[256 / NTHREADS];
+#pragma unroll
+    for (int e = 0; e < 256 / NTHREADS; ++e) {
+        const int b = threadIdx.x + e * NTHREADS;
+        entry[e] = (u32)Elem<D>::store(__ldg(table + (b & 15))) |
+                   ((u32)Elem<D>::store(__ldg(table + (b >> 4))) << 16);
+        if (NESTED) map_value[e] = __ldg(sc.dmap + b);
+    }
 #pragma unroll
     for (int s = 0; s < SLOTS - 1; ++s) issue(s);
-
-    // The pair table, while the first stages are in flight: entry b holds the values of the low
-    // nibble (lower half) and the high nibble; each thread writes 16-byte runs of copies,
-    // rotated so that the 8 threads of a store phase hit different banks.
-    for (int b = threadIdx.x; b < 256; b += NTHREADS) {
-        const u32 v = (u32)Elem<D>::store(__ldg(table + (b & 15))) |
-                      ((u32)Elem<D>::store(__ldg(table + (b >> 4))) << 16);
+#pragma unroll
+    for (int e = 0; e < 256 / NTHREADS; ++e) {
+        const int b = threadIdx.x + e * NTHREADS;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
             *reinterpret_cast<uint4*>(smem + b * 256 + 16 * ((j + b) & 7)) =
-                make_uint4(v, v, v, v);
+                make_uint4(entry[e], entry[e], entry[e], entry[e]);
+        if (NESTED) dmap[b] = map_value[e];
     }
     // The scales of stage s (landed and published), decoded into decoded[s & 1] as Scales does:
     // map[code] * absmax2 + offset.
@@ -845,7 +858,6 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
         }
     };
     if (NESTED) {
-        for (int b = threadIdx.x; b < 256; b += NTHREADS) dmap[b] = __ldg(sc.dmap + b);
         cp_async_wait<SLOTS - 2>();
         __syncthreads();  // stage 0 and the map arrived everywhere
         decode(0);
