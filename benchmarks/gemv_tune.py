@@ -56,8 +56,9 @@ def tc_launcher(module: Any, config: tuple[int, int, int], x: Any, y: Any) -> An
         scales = _launch._scale_args(absmax, q.nested, -(-rows * cols // q.blocksize))
         args = (x, q.codes, *scales, table, np.int32(rows), np.int32(cols), np.int32(x.shape[0]),
                 log2_bs, y)  # fmt: skip
-        grid = (-(-rows // _launch.TC_ROWS),)
         dq = "" if q.nested is None else "_dq"
+        tiles = -(-rows // _launch.TC_ROWS)
+        grid = (min(tiles, _module.resident_blocks(kernels[g, dq], 32 * warps, smem[g, dq])),)
         kernels[g, dq](grid, (32 * warps,), args, shared_mem=smem[g, dq])
 
     return launch

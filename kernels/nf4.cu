@@ -468,10 +468,13 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return a;
 }
 
-__device__ __forceinline__ float load_shared(u32 address) {
-    float v;
-    asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(address));
+__device__ __forceinline__ u32 load_shared_word(u32 address) {
+    u32 v;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(address));
     return v;
+}
+__device__ __forceinline__ float load_shared(u32 address) {
+    return __uint_as_float(load_shared_word(address));
 }
 
 // The 8 codebook values of a word of codes (element j in nibble j), looked up in a 16-entry
@@ -672,7 +675,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// A block computes 16 rows of W [rows, cols] (split layout) for up to 8 tokens.
+// A block computes tiles of 16 rows of W [rows, cols] (split layout) for up to 8 tokens: the
+// tiles blockIdx.x, + gridDim.x, ..., as many blocks being launched as the GPU holds at once
+// (nybble.cuda._launch.tc_blocks), so that a block builds its table once and its pipeline runs
+// on from one tile to the next. On an H100 that was 6-7% faster than a block per tile at
+// 14336 x 4096 and up to 4% at 8192^2; at 4096^2 (a tile per block either way) 3% slower.
 // The rows stream through shared memory in *stages* of TC_STAGE_GROUPS groups of G = 64 (or 32)
 // elements, a group being the span of one scale: TC_STAGES - 1 stages are in flight as
 // asynchronous copies (a warp copies 512 contiguous bytes of a row), so the loads are few and
@@ -687,7 +694,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // unscaled; its scale multiplies the group's sum in float32. The codebook values are rounded
 // to the tokens' 16-bit format (as the dequantize + cuBLAS path rounds the weights). Threads
 // past the rows or the tokens read a real row or token (rows - 1, token m - 1), whose results
-// are never written. The warps' sums meet in shared memory.
+// are never written. The warps' sums of a tile meet in shared memory.
 // Double-quantized scales (NESTED) arrive as they are stored, 1 byte per block: a row's scale
 // area then holds the aligned words of dynamic-map codes that span the row's blocks in the stage
 // (TC_NESTED_WORDS of them) and the absmax2 of its first block and of the next one (the stage's
@@ -750,52 +757,72 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
     __shared__ float decoded[NESTED ? 2 : 1][TC_ROWS][St::SCALE_PITCH];  // stages s, s + 1
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * TC_ROWS;
     const int groups = cols / G;
     const int nstages = (groups + SK - 1) / SK;
+    // The block's tiles of 16 rows: blockIdx.x, + gridDim.x, ...; their stages make one stream,
+    // step v being stage v % nstages of the block's tile v / nstages.
+    const int tiles = (rows + TC_ROWS - 1) / TC_ROWS;
+    const int steps = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * nstages;
     const u32 stages = shared_address(smem) + TC_LUT_BYTES;
     const int shift = log2_bs - (G == 64 ? 6 : 5);  // a group's block: group number >> shift
     const u32 nblocks = (u32)(((u64)rows * cols + (1u << log2_bs) - 1) >> log2_bs);
 
+    // A step's place: the first row of its tile and its stage. Steps are visited in order by
+    // three cursors (copies, nested decode, multiply), each advanced one step at a time.
+    struct Step {
+        int r0, s;
+    };
+    auto next = [&](Step at) -> Step {
+        return at.s + 1 < nstages ? Step{at.r0, at.s + 1}
+                                  : Step{at.r0 + (int)gridDim.x * TC_ROWS, 0};
+    };
     // This thread's copies: code chunk c = threadIdx.x + i * NTHREADS of a stage is row
     // c / ROW_CHUNKS, bytes 16 * (c % ROW_CHUNKS); scale copy c is row c / SK, group c % SK.
-    // Sources start at stage 0 and advance a stage at a time.
-    const u8* code_src[CODE_COPIES];
+    // Rows past the last read the last row (never written).
     u32 code_dst[CODE_COPIES];
-    int code_at[CODE_COPIES];  // byte of the row
+    int code_row[CODE_COPIES], code_at[CODE_COPIES];  // row of the tile, byte of the row
 #pragma unroll
     for (int i = 0; i < CODE_COPIES; ++i) {
-        const int c = threadIdx.x + i * NTHREADS, r = c / St::ROW_CHUNKS;
+        const int c = threadIdx.x + i * NTHREADS;
+        code_row[i] = c / St::ROW_CHUNKS;
         code_at[i] = c % St::ROW_CHUNKS * 16;
-        code_src[i] = codes + (i64)min(r0 + r, rows - 1) * (cols / 2) + code_at[i];
-        code_dst[i] = r * St::PITCH + code_at[i];
+        code_dst[i] = code_row[i] * St::PITCH + code_at[i];
     }
     // Nested: copy q of a row is its word q (q < TC_NESTED_WORDS) or absmax2 q - TC_NESTED_WORDS.
     // The nested kernel's decode (below) takes the same (row, q) pairs.
-    u32 scale_group[SCALE_COPIES], scale_at[SCALE_COPIES];  // at: word of the scale area
-    int scale_q[SCALE_COPIES];
+    u32 scale_at[SCALE_COPIES];  // word of the scale area
+    int scale_row[SCALE_COPIES], scale_q[SCALE_COPIES];
 #pragma unroll
     for (int i = 0; i < SCALE_COPIES; ++i) {
-        const int c = threadIdx.x + i * NTHREADS, r = c / SK;
+        const int c = threadIdx.x + i * NTHREADS;
+        scale_row[i] = c / SK;
         scale_q[i] = c % SK;
-        scale_group[i] = (u32)min(r0 + r, rows - 1) * (u32)groups + (NESTED ? 0 : scale_q[i]);
-        scale_at[i] = r * St::SCALE_PITCH + scale_q[i];
+        scale_at[i] = scale_row[i] * St::SCALE_PITCH + scale_q[i];
     }
+    // The first group of stage `at` of this thread's scale copy i (nested: of its row).
+    auto first_group = [&](int i, Step at) -> u32 {
+        return (u32)min(at.r0 + scale_row[i], rows - 1) * (u32)groups + at.s * SK +
+               (NESTED ? 0 : scale_q[i]);
+    };
     const u32 nblocks2 = (nblocks + 255) / 256;  // absmax2 entries
-    // Copies stage s into slot s % SLOTS, zeros past the rows' end. Every thread commits a
-    // group of copies each call, also past the last stage, so that waiting counts alike.
-    auto issue = [&](int s) {
-        if (s < nstages) {
-            const u32 slot = stages + (s % SLOTS) * St::BYTES;
+    // Copies step v (at `at`) into slot v % SLOTS, zeros past the rows' end. Every thread
+    // commits a group of copies each call, also past the last step, so that waiting counts
+    // alike.
+    auto issue = [&](int v, Step at) {
+        if (v < steps) {
+            const int s = at.s;
+            const u32 slot = stages + (v % SLOTS) * St::BYTES;
 #pragma unroll
             for (int i = 0; i < CODE_COPIES; ++i) {
                 const bool ok = s * St::ROW_BYTES + code_at[i] < cols / 2;
-                cp_async16(slot + code_dst[i], code_src[i] + (i64)s * St::ROW_BYTES, ok ? 16 : 0);
+                const u8* src = codes + (i64)min(at.r0 + code_row[i], rows - 1) * (cols / 2) +
+                                s * St::ROW_BYTES + code_at[i];
+                cp_async16(slot + code_dst[i], src, ok ? 16 : 0);
             }
 #pragma unroll
             for (int i = 0; i < SCALE_COPIES; ++i) {
                 const int q = scale_q[i];
-                const u32 group = scale_group[i] + s * SK, dst = slot + St::CODES + 4 * scale_at[i];
+                const u32 group = first_group(i, at), dst = slot + St::CODES + 4 * scale_at[i];
                 if (!NESTED) {
                     const bool ok = s * SK + q < groups;
                     cp_async4(dst, sc.absmax + (ok ? group >> shift : 0), ok ? 4 : 0);
@@ -830,8 +857,12 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
                    ((u32)Elem<D>::store(__ldg(table + (b >> 4))) << 16);
         if (NESTED) map_value[e] = __ldg(sc.dmap + b);
     }
+    Step copying = {(int)blockIdx.x * TC_ROWS, 0};  // the step that the next copies fetch
 #pragma unroll
-    for (int s = 0; s < SLOTS - 1; ++s) issue(s);
+    for (int v = 0; v < SLOTS - 1; ++v) {
+        issue(v, copying);
+        copying = next(copying);
+    }
 #pragma unroll
     for (int e = 0; e < 256 / NTHREADS; ++e) {
         const int b = threadIdx.x + e * NTHREADS;
@@ -843,39 +874,42 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
     }
     // The scales of stage s (landed and published), decoded into decoded[s & 1] as Scales does:
     // map[code] * absmax2 + offset.
-    auto decode = [&](int s) {
+    auto decode = [&](int v, Step at) {
         const float* area = reinterpret_cast<const float*>(
-            smem + TC_LUT_BYTES + (s % SLOTS) * St::BYTES + St::CODES);
+            smem + TC_LUT_BYTES + (v % SLOTS) * St::BYTES + St::CODES);
 #pragma unroll
         for (int i = 0; i < SCALE_COPIES; ++i) {
             const int q = scale_q[i];
-            const u32 group = scale_group[i] + s * SK;
+            const u32 group = first_group(i, at);
             const u32 first = group >> shift, block = (group + q) >> shift;
             const float* row = area + scale_at[i] - q;
             const u8 code = reinterpret_cast<const u8*>(row)[block - (first & ~3u)];
             const float a2 = row[TC_NESTED_WORDS + (block >> 8) - (first >> 8)];
-            (&decoded[s & 1][0][0])[scale_at[i]] = __fadd_rn(__fmul_rn(dmap[code], a2), sc.offset);
+            (&decoded[v & 1][0][0])[scale_at[i]] = __fadd_rn(__fmul_rn(dmap[code], a2), sc.offset);
         }
     };
     if (NESTED) {
         cp_async_wait<SLOTS - 2>();
-        __syncthreads();  // stage 0 and the map arrived everywhere
-        decode(0);
+        __syncthreads();  // step 0 and the map arrived everywhere
+        decode(0, {(int)blockIdx.x * TC_ROWS, 0});
     }
     const u32 lane4 = 4 * lane;
     // The pair of byte k of w: one permute makes the address w.byte[k] * 256 + 4 * lane.
+    const u32 table_at = shared_address(smem);
     auto pair = [&](u32 w, int k) -> u32 {
-        const u32 offset = __byte_perm(w, lane4, 0x5504 | (k << 4));
-        return *reinterpret_cast<const u32*>(smem + offset);
+        return load_shared_word(table_at + __byte_perm(w, lane4, 0x5504 | (k << 4)));
     };
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const u16* xg = x + (i64)min(g, m - 1) * cols + t * (G / 4);
-    for (int s = 0; s < nstages; ++s) {
+    int v = 0;  // the step
+    for (int r0 = blockIdx.x * TC_ROWS; r0 < rows; r0 += gridDim.x * TC_ROWS) {
+      for (int s = 0; s < nstages; ++s, ++v) {
         cp_async_wait<SLOTS - 2 - NESTED>();
-        __syncthreads();  // stage s (nested: s + 1) arrived everywhere; s - 1 multiplied
-        issue(s + SLOTS - 1);  // into the slot of stage s - 1
-        if (NESTED && s + 1 < nstages) decode(s + 1);
+        __syncthreads();  // step v (nested: v + 1) arrived everywhere; v - 1 multiplied
+        issue(v + SLOTS - 1, copying);  // into the slot of step v - 1
+        copying = next(copying);
+        if (NESTED && v + 1 < steps) decode(v + 1, next({r0, s}));
         // The tokens' values of all this warp's groups first: their loads (L2 hits, slow while
         // the weights stream) are then in flight together, ahead of the shared-memory work.
         u32 xw[SK / TC_WARPS][4 * XVECS];
@@ -893,9 +927,9 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
                 xw[i][4 * h + 3] = v.w;
             }
         }
-        const unsigned char* slot = smem + TC_LUT_BYTES + (s % SLOTS) * St::BYTES;
+        const unsigned char* slot = smem + TC_LUT_BYTES + (v % SLOTS) * St::BYTES;
         const float* scale =
-            NESTED ? &decoded[s & 1][0][0] : reinterpret_cast<const float*>(slot + St::CODES);
+            NESTED ? &decoded[v & 1][0][0] : reinterpret_cast<const float*>(slot + St::CODES);
 #pragma unroll
         for (int i = 0; i < SK / TC_WARPS; ++i) {
             const int q = warp + i * TC_WARPS;
@@ -922,26 +956,29 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
             acc[2] = fmaf(sb, d[2], acc[2]);
             acc[3] = fmaf(sb, d[3], acc[3]);
         }
-    }
-
-    partial[warp][g][2 * t] = acc[0];
-    partial[warp][g][2 * t + 1] = acc[1];
-    partial[warp][g + 8][2 * t] = acc[2];
-    partial[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    for (int i = threadIdx.x; i < TC_ROWS * TC_TOKENS; i += NTHREADS) {
-        const int r = i / TC_TOKENS, tok = i % TC_TOKENS;
-        if (tok >= m || r0 + r >= rows) continue;
-        float sum = 0.0f;
+      }
+        // The warps' sums of the tile meet in shared memory. The next writes of `partial`
+        // come a barrier (the stage loop's) after these reads.
+        partial[warp][g][2 * t] = acc[0];
+        partial[warp][g][2 * t + 1] = acc[1];
+        partial[warp][g + 8][2 * t] = acc[2];
+        partial[warp][g + 8][2 * t + 1] = acc[3];
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+        __syncthreads();
+        for (int i = threadIdx.x; i < TC_ROWS * TC_TOKENS; i += NTHREADS) {
+            const int r = i / TC_TOKENS, tok = i % TC_TOKENS;
+            if (tok >= m || r0 + r >= rows) continue;
+            float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < TC_WARPS; ++w) sum += partial[w][r][tok];
-        y[(i64)tok * rows + r0 + r] = Elem<D>::store(sum);
+            for (int w = 0; w < TC_WARPS; ++w) sum += partial[w][r][tok];
+            y[(i64)tok * rows + r0 + r] = Elem<D>::store(sum);
+        }
     }
 }
 
-// The minimum of one block per multiprocessor lets ptxas take the registers it wants (86): left
-// to itself it held this kernel to 48 and spilled, 8-12% slower on an H100. Shared memory allows
-// 2 blocks per multiprocessor either way.
+// The minimum of one block per multiprocessor lets ptxas take the registers it wants (up to
+// 106, so that 2 blocks still fit): left to itself it held this kernel to 48 and spilled, 8-12%
+// slower on an H100. Shared memory allows 2 blocks per multiprocessor either way.
 // The plain and the nested kernels take the same arguments (SCALE_PARAMS; `nested` unread).
 #define GEMV_TC(NAME, D, G, NESTED)                                                            \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                             \

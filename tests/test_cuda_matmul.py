@@ -114,6 +114,55 @@ def test_gemv_decodes_double_quantized_scales_as_the_decode_kernel(
     assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
 
 
+@given(
+    rows=st.integers(1, 120),
+    chunks=st.integers(1, 40),
+    m=st.integers(1, _launch.GEMV_MAX_TOKENS),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    blocksize=blocksizes,
+    double_quant=st.booleans(),
+    blocks=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_gemv_blocks_taking_several_tiles_match_one_block_per_tile(
+    rows: int,
+    chunks: int,
+    m: int,
+    dtype: str,
+    blocksize: int,
+    double_quant: bool,
+    blocks: int,
+    seed: int,
+) -> None:
+    """A tensor-core GEMV block takes the tiles of 16 rows blockIdx.x, + gridDim.x, ... as one
+    stream of stages: with 1-4 blocks for up to 8 tiles the result is bit-identical to one
+    block per tile."""
+    cols = 32 * chunks
+    w = cp.asarray(weight(rows, cols, seed))
+    x = tokens((m, cols), dtype, seed + 1)
+    results = []
+    for cap in (blocks, None):
+        q = nybble.quantize(w, blocksize, double_quant)  # a weight of its own: a launch of its own
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                _launch, "tc_blocks", lambda kernel, tiles, smem, cap=cap: min(tiles, cap or tiles)
+            )
+            results.append(cuda.nf4_gemv(x, q))
+    assert cp.array_equal(results[0].view(cp.uint16), results[1].view(cp.uint16))
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_gemv_of_more_tiles_than_the_gpu_holds_blocks_of(double_quant: bool) -> None:
+    """Enough rows that the GPU's blocks take several tiles each (2-3 on an H100), rows ending
+    in a partial stage."""
+    rows, cols = 9001, 2112
+    q = nybble.quantize(cp.asarray(weight(rows, cols, 3)), double_quant=double_quant)
+    x = tokens((3, cols), "bfloat16", 4)
+    assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, "bfloat16")
+    (grid,) = cuda._gemv_weight(q)._tc_grids.values()
+    assert grid[0] < -(-rows // _launch.TC_ROWS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1000, 4096), (64, 14336)])
 def test_gemv_long_rows(dtype: str, shape: tuple[int, int]) -> None:

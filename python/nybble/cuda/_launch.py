@@ -51,6 +51,14 @@ def tc_shared_bytes(
     return TC_LUT_BYTES + stages * stage
 
 
+def tc_blocks(kernel: Any, tiles: int, dynamic_shared: int) -> int:
+    """Blocks to launch of the tensor-core GEMV `kernel` for `tiles` tiles of 16 rows: as many as
+    the GPU holds at once, at most one per tile. A block takes its tiles in turn (blockIdx.x,
+    + gridDim.x, ...) as one stream of stages, so that it fills its table and its pipeline
+    once rather than once per tile."""
+    return min(tiles, _module.resident_blocks(kernel, TC_THREADS, dynamic_shared))
+
+
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
 
 
@@ -334,8 +342,9 @@ class GemvWeight:
         # The tensor-core kernels by token dtype; their _dq variants decode nested scales.
         dq = "" if nested is None else "_dq"
         self.tc_names = {d: f"gemv_tc_{_SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]}
-        self.tc_grid = _grid(rows, TC_ROWS)
+        self.tiles = -(-rows // TC_ROWS)
         self._kernels: dict[str, Any] = {}
+        self._tc_grids: dict[str, tuple[int]] = {}
 
     def __call__(self, x: Any, y: Any) -> None:
         rows, cols = self.rows, self.cols
@@ -360,9 +369,13 @@ class GemvWeight:
                 kernel = self._kernel(f"gemv_f32_m{xt.shape[0]}")
                 kernel(_grid(rows, GEMV_ROWS_PER_BLOCK), (GEMV_THREADS,), (xt, *args, yt))
             return
-        kernel = self._kernel(self.tc_names[name], self.smem)
+        tc_name = self.tc_names[name]
+        kernel = self._kernel(tc_name, self.smem)
+        grid = self._tc_grids.get(tc_name)
+        if grid is None:
+            grid = self._tc_grids[tc_name] = (tc_blocks(kernel, self.tiles, self.smem),)
         args = (x, self.codes, *self.scales, self.values, *self.dims, np.int32(m), self.log2_bs, y)
-        kernel(self.tc_grid, (TC_THREADS,), args, shared_mem=self.smem)
+        kernel(grid, (TC_THREADS,), args, shared_mem=self.smem)
 
     def _kernel(self, name: str, dynamic_shared: int = 0) -> Any:
         """`_module.function`, remembered: the weight stays on one device."""

@@ -73,6 +73,16 @@ def allow_dynamic_shared(kernel: Any, nbytes: int) -> None:
     driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, nbytes)
 
 
+def resident_blocks(kernel: Any, threads: int, dynamic_shared: int) -> int:
+    """How many blocks of `kernel` (`threads` threads, `dynamic_shared` bytes of dynamic shared
+    memory) the GPU holds at once: its multiprocessors times the blocks each holds."""
+    import cupy
+    from cupy.cuda import driver
+
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, dynamic_shared)
+    return max(1, int(per_sm)) * int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
 def function(name: str, dynamic_shared: int = 0) -> Any:
     """The kernel `name` on the current device, compiling the module the first time; with
     `dynamic_shared` bytes of dynamic shared memory allowed."""
