@@ -5,11 +5,12 @@ groups per stage) on this GPU: how the defaults in kernels/nf4.cu were chosen.
                                    [--out-dir DIR]
 
 Each configuration is compiled from the kernel source with -DTC_WARPS/-DTC_STAGES/
--DTC_STAGE_GROUPS, checked
-against the float32 product of the dequantized weight, and timed like gpu_codec.py (CUDA events
-behind a spin kernel, weights rotated past the L2 cache). `--old` times the bf16 GEMV of another
-version of the file too (its gemv_bf16_m* kernels with 8 rows per block of 128 threads, the
-layout before the tensor-core GEMV), to compare before and after.
+-DTC_STAGE_GROUPS (at least 3 stages: the nested kernel keeps two landed), launched with as
+many blocks as the GPU holds (nybble.cuda._launch.tc_blocks), checked against the float32
+product of the dequantized weight, and timed like gpu_codec.py (CUDA events behind a spin
+kernel, weights rotated past the L2 cache). `--old` times the bf16 GEMV of another version of
+the file too (its gemv_bf16_m* kernels with 8 rows per block of 128 threads, the layout before
+the tensor-core GEMV), to compare before and after.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import nybble
 from nybble import cuda
 from nybble.cuda import _launch, _module
 
-DEFAULT_CONFIGS = "8:3:16,8:4:16,8:2:32,4:4:16,4:3:32,8:5:16"
+DEFAULT_CONFIGS = "8:3:16,8:4:16,4:3:16,4:4:16,4:3:32,8:5:16"
 
 
 def compile_module(source_text: str | None, defines: list[str]) -> Any:
