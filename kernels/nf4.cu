@@ -872,7 +872,7 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
                 make_uint4(entry[e], entry[e], entry[e], entry[e]);
         if (NESTED) dmap[b] = map_value[e];
     }
-    // The scales of stage s (landed and published), decoded into decoded[s & 1] as Scales does:
+    // The scales of step v (landed and published), decoded into decoded[v & 1] as Scales does:
     // map[code] * absmax2 + offset.
     auto decode = [&](int v, Step at) {
         const float* area = reinterpret_cast<const float*>(
@@ -904,59 +904,59 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
     const u16* xg = x + (i64)min(g, m - 1) * cols + t * (G / 4);
     int v = 0;  // the step
     for (int r0 = blockIdx.x * TC_ROWS; r0 < rows; r0 += gridDim.x * TC_ROWS) {
-      for (int s = 0; s < nstages; ++s, ++v) {
-        cp_async_wait<SLOTS - 2 - NESTED>();
-        __syncthreads();  // step v (nested: v + 1) arrived everywhere; v - 1 multiplied
-        issue(v + SLOTS - 1, copying);  // into the slot of step v - 1
-        copying = next(copying);
-        if (NESTED && v + 1 < steps) decode(v + 1, next({r0, s}));
-        // The tokens' values of all this warp's groups first: their loads (L2 hits, slow while
-        // the weights stream) are then in flight together, ahead of the shared-memory work.
-        u32 xw[SK / TC_WARPS][4 * XVECS];
+        for (int s = 0; s < nstages; ++s, ++v) {
+            cp_async_wait<SLOTS - 2 - NESTED>();
+            __syncthreads();  // step v (nested: v + 1) arrived everywhere; v - 1 multiplied
+            issue(v + SLOTS - 1, copying);  // into the slot of step v - 1
+            copying = next(copying);
+            if (NESTED && v + 1 < steps) decode(v + 1, next({r0, s}));
+            // The tokens' values of all this warp's groups first: their loads (L2 hits, slow while
+            // the weights stream) are then in flight together, ahead of the shared-memory work.
+            u32 xw[SK / TC_WARPS][4 * XVECS];
 #pragma unroll
-        for (int i = 0; i < SK / TC_WARPS; ++i) {
-            const int grp = s * SK + warp + i * TC_WARPS;
-            const bool live = grp < groups;  // x may end there; codes and scales are zeros
+            for (int i = 0; i < SK / TC_WARPS; ++i) {
+                const int grp = s * SK + warp + i * TC_WARPS;
+                const bool live = grp < groups;  // x may end there; codes and scales are zeros
 #pragma unroll
-            for (int h = 0; h < XVECS; ++h) {
-                const uint4 v = live ? __ldg(reinterpret_cast<const uint4*>(xg + grp * G) + h)
-                                     : make_uint4(0u, 0u, 0u, 0u);
-                xw[i][4 * h] = v.x;
-                xw[i][4 * h + 1] = v.y;
-                xw[i][4 * h + 2] = v.z;
-                xw[i][4 * h + 3] = v.w;
+                for (int h = 0; h < XVECS; ++h) {
+                    const uint4 xv = live ? __ldg(reinterpret_cast<const uint4*>(xg + grp * G) + h)
+                                          : make_uint4(0u, 0u, 0u, 0u);
+                    xw[i][4 * h] = xv.x;
+                    xw[i][4 * h + 1] = xv.y;
+                    xw[i][4 * h + 2] = xv.z;
+                    xw[i][4 * h + 3] = xv.w;
+                }
+            }
+            const unsigned char* slot = smem + TC_LUT_BYTES + (v % SLOTS) * St::BYTES;
+            const float* scale =
+                NESTED ? &decoded[v & 1][0][0] : reinterpret_cast<const float*>(slot + St::CODES);
+#pragma unroll
+            for (int i = 0; i < SK / TC_WARPS; ++i) {
+                const int q = warp + i * TC_WARPS;
+                u32 pa[PIECE / 4], pb[PIECE / 4];
+                const unsigned char* piece = slot + g * St::PITCH + q * (G / 2) + t * PIECE;
+#pragma unroll
+                for (int w = 0; w < PIECE / 4; ++w) {
+                    pa[w] = reinterpret_cast<const u32*>(piece)[w];
+                    pb[w] = reinterpret_cast<const u32*>(piece + 8 * St::PITCH)[w];
+                }
+                const float sa = scale[g * St::SCALE_PITCH + q];
+                const float sb = scale[(g + 8) * St::SCALE_PITCH + q];
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int j = 0; j < MMAS; ++j) {
+                    // bytes 2j and 2j+1 of the piece: elements 4j, 4j+1 and 4j+2, 4j+3
+                    const u32 wa = pa[j >> 1], wb = pb[j >> 1];
+                    const int k = 2 * (j & 1);
+                    const u32 a[4] = {pair(wa, k), pair(wb, k), pair(wa, k + 1), pair(wb, k + 1)};
+                    mma_16816<D>(d, a, xw[i] + 2 * j);
+                }
+                acc[0] = fmaf(sa, d[0], acc[0]);
+                acc[1] = fmaf(sa, d[1], acc[1]);
+                acc[2] = fmaf(sb, d[2], acc[2]);
+                acc[3] = fmaf(sb, d[3], acc[3]);
             }
         }
-        const unsigned char* slot = smem + TC_LUT_BYTES + (v % SLOTS) * St::BYTES;
-        const float* scale =
-            NESTED ? &decoded[v & 1][0][0] : reinterpret_cast<const float*>(slot + St::CODES);
-#pragma unroll
-        for (int i = 0; i < SK / TC_WARPS; ++i) {
-            const int q = warp + i * TC_WARPS;
-            u32 pa[PIECE / 4], pb[PIECE / 4];
-            const unsigned char* piece = slot + g * St::PITCH + q * (G / 2) + t * PIECE;
-#pragma unroll
-            for (int w = 0; w < PIECE / 4; ++w) {
-                pa[w] = reinterpret_cast<const u32*>(piece)[w];
-                pb[w] = reinterpret_cast<const u32*>(piece + 8 * St::PITCH)[w];
-            }
-            const float sa = scale[g * St::SCALE_PITCH + q];
-            const float sb = scale[(g + 8) * St::SCALE_PITCH + q];
-            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int j = 0; j < MMAS; ++j) {
-                // bytes 2j and 2j+1 of the piece: elements 4j, 4j+1 and 4j+2, 4j+3
-                const u32 wa = pa[j >> 1], wb = pb[j >> 1];
-                const int k = 2 * (j & 1);
-                const u32 a[4] = {pair(wa, k), pair(wb, k), pair(wa, k + 1), pair(wb, k + 1)};
-                mma_16816<D>(d, a, xw[i] + 2 * j);
-            }
-            acc[0] = fmaf(sa, d[0], acc[0]);
-            acc[1] = fmaf(sa, d[1], acc[1]);
-            acc[2] = fmaf(sb, d[2], acc[2]);
-            acc[3] = fmaf(sb, d[3], acc[3]);
-        }
-      }
         // The warps' sums of the tile meet in shared memory. The next writes of `partial`
         // come a barrier (the stage loop's) after these reads.
         partial[warp][g][2 * t] = acc[0];
