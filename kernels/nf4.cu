@@ -105,8 +105,11 @@ struct Scales {
 
     __device__ __forceinline__ float operator()(i64 b) const {
         if (!nested) return __ldg(absmax + b);
-        const float m = __ldg(dmap + __ldg(qcodes + b));
-        return __fadd_rn(__fmul_rn(m, __ldg(absmax2 + (b >> 8))), offset);
+        return decode(__ldg(dmap + __ldg(qcodes + b)), __ldg(absmax2 + (b >> 8)));
+    }
+    // A nested scale from its map value and its absmax2.
+    __device__ __forceinline__ float decode(float map_value, float a2) const {
+        return __fadd_rn(__fmul_rn(map_value, a2), offset);
     }
 };
 
@@ -767,8 +770,8 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
     const int shift = log2_bs - (G == 64 ? 6 : 5);  // a group's block: group number >> shift
     const u32 nblocks = (u32)(((u64)rows * cols + (1u << log2_bs) - 1) >> log2_bs);
 
-    // A step's place: the first row of its tile and its stage. Steps are visited in order by
-    // three cursors (copies, nested decode, multiply), each advanced one step at a time.
+    // A step's place: the first row of its tile and its stage. The copies' cursor runs SLOTS - 1
+    // steps ahead of the multiply loop's (r0, s); the nested decode takes the step after it.
     struct Step {
         int r0, s;
     };
@@ -872,8 +875,8 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
                 make_uint4(entry[e], entry[e], entry[e], entry[e]);
         if (NESTED) dmap[b] = map_value[e];
     }
-    // The scales of step v (landed and published), decoded into decoded[v & 1] as Scales does:
-    // map[code] * absmax2 + offset.
+    // The scales of step v (landed and published), decoded into decoded[v & 1] by
+    // Scales::decode.
     auto decode = [&](int v, Step at) {
         const float* area = reinterpret_cast<const float*>(
             smem + TC_LUT_BYTES + (v % SLOTS) * St::BYTES + St::CODES);
@@ -885,7 +888,7 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
             const float* row = area + scale_at[i] - q;
             const u8 code = reinterpret_cast<const u8*>(row)[block - (first & ~3u)];
             const float a2 = row[TC_NESTED_WORDS + (block >> 8) - (first >> 8)];
-            (&decoded[v & 1][0][0])[scale_at[i]] = __fadd_rn(__fmul_rn(dmap[code], a2), sc.offset);
+            (&decoded[v & 1][0][0])[scale_at[i]] = sc.decode(dmap[code], a2);
         }
     };
     if (NESTED) {

@@ -68,17 +68,9 @@ def as_cupy(x: Any, what: str = "x") -> Any:
     raise ValueError(f"{what}: expected a CUDA array (CuPy, torch, DLPack), got {type(x).__name__}")
 
 
-_TORCH_DTYPES = {
-    "torch.float32": np.dtype(np.float32),
-    "torch.float16": np.dtype(np.float16),
-    "torch.bfloat16": _arrays.BFLOAT16,
-    "torch.float64": np.dtype(np.float64),
-    "torch.uint8": np.dtype(np.uint8),
-    "torch.int8": np.dtype(np.int8),
-    "torch.int16": np.dtype(np.int16),
-    "torch.int32": np.dtype(np.int32),
-    "torch.int64": np.dtype(np.int64),
-}
+#: The dtypes whose torch tensors are wrapped by pointer, by torch's name.
+_WRAPPED = ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64")
+_TORCH_DTYPES = {f"torch.{name}": _arrays.numpy_dtype(name) for name in _WRAPPED}
 
 
 def _torch_view(t: Any) -> Any:

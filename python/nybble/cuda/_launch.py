@@ -343,8 +343,8 @@ class GemvWeight:
         dq = "" if nested is None else "_dq"
         self.tc_names = {d: f"gemv_tc_{_SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]}
         self.tiles = -(-rows // TC_ROWS)
-        self._kernels: dict[str, Any] = {}
-        self._tc_grids: dict[str, tuple[int]] = {}
+        self._kernels: dict[str, Any] = {}  # the float32 GEMVs
+        self._tc_launches: dict[str, tuple[Any, tuple[int]]] = {}  # tensor-core: kernel, grid
 
     def __call__(self, x: Any, y: Any) -> None:
         rows, cols = self.rows, self.cols
@@ -369,17 +369,22 @@ class GemvWeight:
                 kernel = self._kernel(f"gemv_f32_m{xt.shape[0]}")
                 kernel(_grid(rows, GEMV_ROWS_PER_BLOCK), (GEMV_THREADS,), (xt, *args, yt))
             return
-        tc_name = self.tc_names[name]
-        kernel = self._kernel(tc_name, self.smem)
-        grid = self._tc_grids.get(tc_name)
-        if grid is None:
-            grid = self._tc_grids[tc_name] = (tc_blocks(kernel, self.tiles, self.smem),)
+        kernel, grid = self._tc_launch(self.tc_names[name])
         args = (x, self.codes, *self.scales, self.values, *self.dims, np.int32(m), self.log2_bs, y)
         kernel(grid, (TC_THREADS,), args, shared_mem=self.smem)
 
-    def _kernel(self, name: str, dynamic_shared: int = 0) -> Any:
+    def _kernel(self, name: str) -> Any:
         """`_module.function`, remembered: the weight stays on one device."""
         kernel = self._kernels.get(name)
         if kernel is None:
-            kernel = self._kernels[name] = _module.function(name, dynamic_shared)
+            kernel = self._kernels[name] = _module.function(name)
         return kernel
+
+    def _tc_launch(self, name: str) -> tuple[Any, tuple[int]]:
+        """The tensor-core kernel `name` and its grid (tc_blocks), remembered likewise."""
+        launch = self._tc_launches.get(name)
+        if launch is None:
+            kernel = _module.function(name, self.smem)
+            launch = (kernel, (tc_blocks(kernel, self.tiles, self.smem),))
+            self._tc_launches[name] = launch
+        return launch
