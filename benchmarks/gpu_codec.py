@@ -188,6 +188,22 @@ class Bench:
         emit(r, self.records)
         return r
 
+    def record_against(
+        self,
+        prefix: str,
+        shape: str,
+        times: dict[str, float],
+        ours: str,
+        moved: dict[str, int] | None = None,
+    ) -> None:
+        """Records the 1-token timings `times` as "{prefix}{name} 1 token bf16", each with the
+        bytes it moved (when given) and, but for `ours`, how many times faster ours was."""
+        for name, seconds in times.items():
+            extra: dict[str, Any] = {"nbytes": moved[name] if moved else None}
+            if name != ours:
+                extra["nybble_speedup"] = round(seconds / times[ours], 2)
+            self.record(f"{prefix}{name} 1 token bf16", shape, seconds, **extra)
+
     # --- copy ---------------------------------------------------------------------------
 
     def copy_bandwidth(self) -> None:
@@ -328,26 +344,16 @@ class Bench:
         srcs = [cp.empty(nbytes // 2, cp.uint8) for _ in range(k)]
         dsts = [cp.empty_like(b) for b in srcs]
         row = {name: gpu_in_a_row(fn, self.repeat) for name, fn in calls.items()}
-        row["copy"] = gpu_in_a_row(
+        copy = gpu_in_a_row(
             lambda i: dsts[i % k].data.copy_from_device_async(srcs[i % k].data, nbytes // 2),
             self.repeat,
         )
-        ours = row["nybble GEMV"]
-        self.record("in a row: copy of the GEMV's bytes", shape, row["copy"], nbytes=nbytes)
-        self.record("in a row: nybble GEMV 1 token bf16", shape, ours, nbytes=nbytes)
-        for name, moved in (("bnb matmul_4bit", nbytes), ("dense bf16 GEMV", 2 * n)):
-            speedup = round(row[name] / ours, 2)
-            what = f"in a row: {name} 1 token bf16"
-            self.record(what, shape, row[name], nbytes=moved, nybble_speedup=speedup)
-        for how, measure in (("wall per call", wall_median), ("back to back", loop_per_call)):
-            wall = {name: measure(fn, self.repeat) for name, fn in calls.items()}
-            for name, seconds in wall.items():
-                extra = (
-                    {}
-                    if name == "nybble GEMV"
-                    else {"nybble_speedup": round(seconds / wall["nybble GEMV"], 2)}
-                )
-                self.record(f"{how}: {name} 1 token bf16", shape, seconds, **extra)
+        self.record("in a row: copy of the GEMV's bytes", shape, copy, nbytes=nbytes)
+        moved = {"nybble GEMV": nbytes, "bnb matmul_4bit": nbytes, "dense bf16 GEMV": 2 * n}
+        self.record_against("in a row: ", shape, row, "nybble GEMV", moved)
+        for how, measure in (("wall per call: ", wall_median), ("back to back: ", loop_per_call)):
+            times = {name: measure(fn, self.repeat) for name, fn in calls.items()}
+            self.record_against(how, shape, times, "nybble GEMV")
         for m in (2, 4, 8):
             xm = host_bf16((m, cols), 4 + m)
             fused = (
@@ -404,14 +410,8 @@ class Bench:
             ("back to back: ", loop_per_call),
         ):
             times = {name: measure(fn, self.repeat) for name, fn in calls.items()}
-            ours = times["nybble DQ GEMV"]
-            for name, seconds in times.items():
-                extra: dict[str, Any] = (
-                    {} if name == "nybble DQ GEMV" else {"nybble_speedup": round(seconds / ours, 2)}
-                )
-                if how != "back to back: ":
-                    extra["nbytes"] = nbytes
-                self.record(f"{how}{name} 1 token bf16", shape, seconds, **extra)
+            moved = None if how == "back to back: " else dict.fromkeys(times, nbytes)
+            self.record_against(how, shape, times, "nybble DQ GEMV", moved)
 
     # --- QLoRA layer forward + backward ---------------------------------------------------
 
