@@ -7,8 +7,11 @@ GPU times are CUDA-event medians. All timed launches are queued behind a spin ke
 events measure the GPU alone, not Python's launch overhead; inputs rotate among enough copies
 that the L2 cache cannot hold them between runs. Bandwidth figures count the bytes an
 operation must move (codes, scales, input, output), as a percentage of the measured copy
-bandwidth (bytes read + written). Prints one JSON object per measurement and a summary of
-the targets in ../shared/BENCHMARKS.md; writes gpu_codec.json and gpu_codec.png.
+bandwidth (bytes read + written). Beside them, what the hardware allows per call: an empty
+kernel, a copy of a dequantize's bytes, a streaming read of a GEMV's bytes (the 1 GiB copy runs
+at full speed; smaller transfers pay the ramp up and down). Prints one JSON object per
+measurement and a summary of the targets in ../shared/BENCHMARKS.md; writes gpu_codec.json
+and gpu_codec.png.
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ _SPIN = cp.RawKernel(
         while (clock64() - t0 < cycles) {}
     }""",
     "spin",
+)
+# Per-call ceilings: the time an empty kernel takes from event to event, and a streaming read
+# of n 16-byte vectors (one per thread, evict-first), the fastest of the read kernels tried on
+# an H100 at the GEMV shapes.
+_EMPTY = cp.RawKernel(r"""extern "C" __global__ void empty() {}""", "empty")
+_READ = cp.RawKernel(
+    r"""extern "C" __global__ void stream_read(const uint4* p, long long n, unsigned* out) {
+        const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+        if (i >= n) return;
+        const uint4 v = __ldcs(p + i);
+        if ((v.x ^ v.y ^ v.z ^ v.w) == 0x9e3779b9u) out[0] = 1u;  // keeps the load
+    }""",
+    "stream_read",
 )
 
 
@@ -114,6 +130,12 @@ def loop_per_call(fn: Callable[[int], Any], repeat: int, calls: int = 200) -> fl
         cp.cuda.Device().synchronize()
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def stream_read(buf: Any, sink: Any) -> None:
+    """Reads the uint8 array `buf` (a multiple of 16 bytes) once, on the GPU."""
+    n = buf.size // 16
+    _READ((-(-n // 256),), (256,), (buf, np.int64(n), sink))
 
 
 def copies(nbytes: int) -> int:
@@ -216,6 +238,19 @@ class Bench:
         self.record("copy d2d (cudaMemcpy)", "1 GiB", memcpy, nbytes=2 * nbytes)
         self.record("copy d2d (cupy.copyto)", "1 GiB", kernel, nbytes=2 * nbytes)
         self.copy_gbs = 2 * nbytes / best / 1e9
+        empty = gpu_median(lambda i: _EMPTY((1,), (32,), ()), self.repeat)
+        self.record("empty kernel (the per-call floor of any kernel)", "-", empty)
+
+    def same_bytes_copy(self, nbytes: int) -> float:
+        """GPU time per call of a device-to-device copy moving `nbytes` (half read, half
+        written), from enough buffers that none comes from L2."""
+        k = copies(nbytes // 2)
+        srcs = [cp.empty(nbytes // 2, cp.uint8) for _ in range(k)]
+        dsts = [cp.empty_like(b) for b in srcs]
+        return gpu_median(
+            lambda i: dsts[i % k].data.copy_from_device_async(srcs[i % k].data, nbytes // 2),
+            self.repeat,
+        )
 
     # --- dequantize / quantize ----------------------------------------------------------
 
@@ -236,7 +271,15 @@ class Bench:
         for dtype in ("bfloat16", "float16", "float32"):
             nbytes = codes_bytes(n) + ITEMSIZE[dtype] * n
             ours = gpu_median(lambda i, d=dtype: qs[i % k].dequantize(d), self.repeat)
-            self.record(f"nybble dequantize -> {dtype}", shape, ours, nbytes=nbytes)
+            same = self.same_bytes_copy(nbytes)
+            self.record(f"copy of the bytes of dequantize -> {dtype}", shape, same, nbytes=nbytes)
+            self.record(
+                f"nybble dequantize -> {dtype}",
+                shape,
+                ours,
+                nbytes=nbytes,
+                pct_of_same_bytes_copy=round(100 * same / ours, 1),
+            )
             b36 = gpu_median(
                 lambda i, d=dtype: cuda.dequantize_blocks(blocks[i % k], (rows, cols), d),
                 self.repeat,
@@ -301,7 +344,17 @@ class Bench:
         x = host_bf16((1, cols), 3)
         nbytes = codes_bytes(n) + 2 * (cols + rows)
         ours = gpu_median(lambda i: cuda.nf4_matmul(x, qs[i % k]), self.repeat)
-        self.record("nybble GEMV 1 token bf16", shape, ours, nbytes=nbytes)
+        reads = [cp.empty(nbytes // 16 * 16, cp.uint8) for _ in range(k)]
+        sink = cp.zeros(1, cp.uint32)
+        read = gpu_median(lambda i: stream_read(reads[i % k], sink), self.repeat)
+        self.record("streaming read of the GEMV's bytes", shape, read, nbytes=nbytes)
+        self.record(
+            "nybble GEMV 1 token bf16",
+            shape,
+            ours,
+            nbytes=nbytes,
+            pct_of_streaming_read=round(100 * read / ours, 1),
+        )
         packed, state = bnbf.quantize_4bit(
             torch_view(w16, torch), blocksize=BLOCKSIZE, quant_type="nf4"
         )
@@ -477,8 +530,20 @@ def summary(records: list[dict[str, Any]], copy_gbs: float) -> dict[str, Any]:
             gemv[f"DQ GEMV >= 4x bnb DQ{how}"] = target(
                 f"{prefix}bnb DQ matmul_4bit", "nybble_speedup", lambda v: v >= 4, min
             )
+
+    def ceiling(prefix: str, key: str) -> dict[str, float]:
+        return {r["shape"]: r[key] for r in records if r["what"].startswith(prefix) and key in r}
+
     return {
         "copy_gb_per_s": round(copy_gbs, 1),
+        # What the hardware allows per call, for the % of copy targets: a copy of the
+        # dequantize's bytes, and a streaming read of the GEMV's (% of the 1 GiB copy).
+        "ceiling: copy of the bytes of dequantize -> float32, % of copy": ceiling(
+            "copy of the bytes of dequantize -> float32", "pct_of_copy"
+        ),
+        "ceiling: streaming read of the GEMV's bytes, % of copy": ceiling(
+            "streaming read of the GEMV's bytes", "pct_of_copy"
+        ),
         "dequantize >= 85% of copy": target(
             "nybble dequantize", "pct_of_copy", lambda v: v >= 85, min
         ),
