@@ -48,8 +48,8 @@ _SPIN = cp.RawKernel(
     "spin",
 )
 # Per-call ceilings: the time an empty kernel takes from event to event, and a streaming read
-# of n 16-byte vectors (one per thread, evict-first), the fastest of the read kernels tried on
-# an H100 at the GEMV shapes.
+# of n 16-byte vectors (one per thread, evict-first), of the read kernels tried on an H100 the
+# fastest at the two larger GEMV shapes.
 _EMPTY = cp.RawKernel(r"""extern "C" __global__ void empty() {}""", "empty")
 _READ = cp.RawKernel(
     r"""extern "C" __global__ void stream_read(const uint4* p, long long n, unsigned* out) {
@@ -241,13 +241,16 @@ class Bench:
         empty = gpu_median(lambda i: _EMPTY((1,), (32,), ()), self.repeat)
         self.record("empty kernel (the per-call floor of any kernel)", "-", empty)
 
-    def same_bytes_copy(self, nbytes: int) -> float:
-        """GPU time per call of a device-to-device copy moving `nbytes` (half read, half
-        written), from enough buffers that none comes from L2."""
+    def same_bytes_copy(
+        self, nbytes: int, measure: Callable[[Callable[[int], Any], int], float] = gpu_median
+    ) -> float:
+        """GPU time per call (by `measure`: gpu_median or gpu_in_a_row) of a device-to-device
+        copy moving `nbytes` (half read, half written), from enough buffers that none comes
+        from L2."""
         k = copies(nbytes // 2)
         srcs = [cp.empty(nbytes // 2, cp.uint8) for _ in range(k)]
         dsts = [cp.empty_like(b) for b in srcs]
-        return gpu_median(
+        return measure(
             lambda i: dsts[i % k].data.copy_from_device_async(srcs[i % k].data, nbytes // 2),
             self.repeat,
         )
@@ -392,15 +395,9 @@ class Bench:
             ),
             "dense bf16 GEMV": lambda i: x @ dense[i % kd].T,
         }
-        # The same calls in a row on the GPU, and copies moving the GEMV's bytes for scale
-        # (as many buffers as weights, so neither comes from L2).
-        srcs = [cp.empty(nbytes // 2, cp.uint8) for _ in range(k)]
-        dsts = [cp.empty_like(b) for b in srcs]
+        # The same calls in a row on the GPU, and copies moving the GEMV's bytes for scale.
         row = {name: gpu_in_a_row(fn, self.repeat) for name, fn in calls.items()}
-        copy = gpu_in_a_row(
-            lambda i: dsts[i % k].data.copy_from_device_async(srcs[i % k].data, nbytes // 2),
-            self.repeat,
-        )
+        copy = self.same_bytes_copy(nbytes, gpu_in_a_row)
         self.record("in a row: copy of the GEMV's bytes", shape, copy, nbytes=nbytes)
         moved = {"nybble GEMV": nbytes, "bnb matmul_4bit": nbytes, "dense bf16 GEMV": 2 * n}
         self.record_against("in a row: ", shape, row, "nybble GEMV", moved)
