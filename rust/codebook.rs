@@ -80,7 +80,7 @@ pub const FP4_THRESHOLDS: [f32; 7] = [
     0.583_333,
     0.833_333_3,
 ];
-const FP4_MAGNITUDE_CODES: [u8; 8] = [0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011];
+pub const FP4_MAGNITUDE_CODES: [u8; 8] = [0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011];
 
 /// The FP4 code of a normalised value: sign bit for `v < 0`, then the nearest magnitude.
 #[inline]
@@ -166,13 +166,12 @@ pub enum Format {
 }
 
 impl Format {
+    /// Every format, in the order error messages list their names.
+    pub const ALL: [Format; 4] = [Format::Nf4, Format::Fp4, Format::Int8, Format::Dynamic8];
+
+    /// The format called `name` (its `name()`), if any.
     pub fn parse(name: &str) -> Option<Format> {
-        match name {
-            "nf4" => Some(Format::Nf4),
-            "fp4" => Some(Format::Fp4),
-            "int8" => Some(Format::Int8),
-            _ => None,
-        }
+        Format::ALL.into_iter().find(|f| f.name() == name)
     }
 
     pub fn name(self) -> &'static str {
@@ -208,6 +207,18 @@ impl Format {
             Format::Fp4 => fp4_code(v),
             Format::Int8 => int8_code(v),
             Format::Dynamic8 => DYNAMIC_MIDPOINTS.partition_point(|&m| m < v) as u8,
+        }
+    }
+
+    /// The decision thresholds `code` compares against, ascending: NF4's 15 midpoints, FP4's 7
+    /// magnitude thresholds (applied to `|v|`, the sign bit set apart), the dynamic map's 255
+    /// midpoints. int8 has none: its code is arithmetic (`int8_code`).
+    pub fn thresholds(self) -> &'static [f32] {
+        match self {
+            Format::Nf4 => &NF4_MIDPOINTS,
+            Format::Fp4 => &FP4_THRESHOLDS,
+            Format::Int8 => &[],
+            Format::Dynamic8 => &DYNAMIC_MIDPOINTS,
         }
     }
 
@@ -295,6 +306,54 @@ mod tests {
                 k,
                 "ties take the lower code"
             );
+        }
+    }
+
+    #[test]
+    fn names_parse_back_and_unknown_names_do_not() {
+        for f in Format::ALL {
+            assert_eq!(Format::parse(f.name()), Some(f));
+        }
+        assert_eq!(Format::parse("NF4"), None);
+        assert_eq!(Format::parse(""), None);
+    }
+
+    #[test]
+    fn thresholds_are_ascending_and_are_where_the_code_steps_up() {
+        for f in [Format::Nf4, Format::Dynamic8] {
+            let t = f.thresholds();
+            assert_eq!(t.len() + 1, f.values().len(), "{}", f.name());
+            assert!(t.windows(2).all(|w| w[0] < w[1]));
+            for (k, &m) in t.iter().enumerate() {
+                assert_eq!(f.code(m) as usize, k, "{} ties go down", f.name());
+                assert_eq!(f.code(m.next_up()) as usize, k + 1);
+            }
+        }
+        let t = Format::Fp4.thresholds();
+        assert_eq!(t.len(), 7);
+        assert!(t.windows(2).all(|w| w[0] < w[1]));
+        for (k, &m) in t.iter().enumerate() {
+            assert_eq!(fp4_code(m), FP4_MAGNITUDE_CODES[k]);
+            assert_eq!(fp4_code(m.next_up()), FP4_MAGNITUDE_CODES[k + 1]);
+            assert_eq!(fp4_code(-m.next_up()), 0b1000 | FP4_MAGNITUDE_CODES[k + 1]);
+        }
+        assert!(Format::Int8.thresholds().is_empty());
+    }
+
+    #[test]
+    fn fp4_magnitude_codes_list_the_magnitudes_in_ascending_order() {
+        let magnitudes = FP4_MAGNITUDE_CODES.map(|c| FP4[c as usize]);
+        assert!(magnitudes.windows(2).all(|w| w[0] < w[1]));
+        let mut sorted = FP4_MAGNITUDE_CODES;
+        sorted.sort_unstable();
+        assert_eq!(sorted, [0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+
+    #[test]
+    fn zero_codes_decode_to_zero() {
+        for f in Format::ALL {
+            assert_eq!(f.value(f.zero_code()), 0.0, "{}", f.name());
+            assert_eq!(f.code(0.0), f.zero_code(), "{}", f.name());
         }
     }
 

@@ -18,17 +18,35 @@ use crate::{codec, double_quant, layout};
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
-        PyValueError::new_err(e.to_string())
+        match e {
+            Error::NonFinite { index } => Python::attach(|py| non_finite_error(py, index)),
+            other => PyValueError::new_err(other.to_string()),
+        }
+    }
+}
+
+/// `nybble.errors.NonFiniteError(index)`, imported when first needed (the binding loads
+/// before the Python package finishes importing); a plain ValueError if that import fails.
+fn non_finite_error(py: Python<'_>, index: usize) -> PyErr {
+    let typed = py
+        .import("nybble.errors")
+        .and_then(|m| m.getattr("NonFiniteError"))
+        .and_then(|t| t.call1((index,)));
+    match typed {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyValueError::new_err(Error::NonFinite { index }.to_string()),
     }
 }
 
 fn parse_format(name: &str) -> PyResult<Format> {
-    if name == "dynamic8" {
-        return Ok(Format::Dynamic8);
-    }
     Format::parse(name).ok_or_else(|| {
+        let valid: Vec<String> = Format::ALL
+            .iter()
+            .map(|f| format!("'{}'", f.name()))
+            .collect();
         PyValueError::new_err(format!(
-            "codebook must be 'nf4', 'fp4' or 'int8', got {name:?}"
+            "codebook must be one of {}, got {name:?}",
+            valid.join(", ")
         ))
     })
 }
@@ -344,6 +362,32 @@ fn codebook_values(codebook: &str) -> PyResult<Vec<f32>> {
     Ok(parse_format(codebook)?.values())
 }
 
+/// The decision thresholds of a format, ascending, as the core compares against them (FP4:
+/// on the magnitude; int8: none, its code is arithmetic).
+#[pyfunction]
+fn codebook_thresholds(codebook: &str) -> PyResult<Vec<f32>> {
+    Ok(parse_format(codebook)?.thresholds().to_vec())
+}
+
+/// The FP4 code of the k-th smallest magnitude (sign bit clear).
+#[pyfunction]
+fn fp4_magnitude_codes() -> Vec<u32> {
+    // Widened: PyO3 would turn a Vec<u8> into `bytes`, not a list of ints.
+    crate::codebook::FP4_MAGNITUDE_CODES.map(u32::from).to_vec()
+}
+
+/// The code that decodes to zero (all-zero blocks, padding nibbles).
+#[pyfunction]
+fn zero_code(codebook: &str) -> PyResult<u8> {
+    Ok(parse_format(codebook)?.zero_code())
+}
+
+/// Bits per stored code (4 or 8).
+#[pyfunction]
+fn code_bits(codebook: &str) -> PyResult<usize> {
+    Ok(parse_format(codebook)?.bits())
+}
+
 mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
@@ -380,6 +424,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(double_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(double_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(codebook_values, m)?)?;
+    m.add_function(wrap_pyfunction!(codebook_thresholds, m)?)?;
+    m.add_function(wrap_pyfunction!(fp4_magnitude_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(zero_code, m)?)?;
+    m.add_function(wrap_pyfunction!(code_bits, m)?)?;
+    m.add("NESTED_BLOCKSIZE", double_quant::NESTED_BLOCKSIZE)?;
+    m.add("MIN_BLOCKSIZE", layout::MIN_BLOCKSIZE)?;
+    m.add("MAX_BLOCKSIZE", layout::MAX_BLOCKSIZE)?;
+    m.add("BLOCK36_VALUES", layout::BLOCK36_VALUES)?;
+    m.add("BLOCK36_BYTES", layout::BLOCK36_BYTES)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;

@@ -4,13 +4,21 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "BLOCK36_BYTES",
+    "BLOCK36_VALUES",
+    "MAX_BLOCKSIZE",
+    "MIN_BLOCKSIZE",
+    "NESTED_BLOCKSIZE",
     "_panic",
+    "code_bits",
+    "codebook_thresholds",
     "codebook_values",
     "dequantize_into",
     "dora_row_norms_dense",
     "dora_row_norms_quantized",
     "double_dequantize",
     "double_quantize",
+    "fp4_magnitude_codes",
     "from_blocks36",
     "kernel_sources",
     "matmul",
@@ -18,12 +26,20 @@ __all__ = [
     "quantize",
     "simd_level",
     "to_blocks36",
+    "zero_code",
 ]
 
 _U8 = npt.NDArray[np.uint8]
 _U16 = npt.NDArray[np.uint16]
 _F32 = npt.NDArray[np.float32]
 _F64 = npt.NDArray[np.float64]
+
+# Format facts, each from its one definition in the core (rust/layout.rs, rust/double_quant.rs).
+NESTED_BLOCKSIZE: int
+MIN_BLOCKSIZE: int
+MAX_BLOCKSIZE: int
+BLOCK36_VALUES: int
+BLOCK36_BYTES: int
 
 def quantize(
     x: _F32 | _F64 | _U16, blocksize: int, codebook: str, bits16: str | None = None
@@ -41,6 +57,10 @@ def from_blocks36(buf: _U8, n: int) -> tuple[_U8, _F32]: ...
 def double_quantize(absmax: _F32) -> tuple[tuple[_U8, _F32], float]: ...
 def double_dequantize(codes: _U8, absmax2: _F32, offset: np.float32 | float) -> _F32: ...
 def codebook_values(codebook: str) -> list[float]: ...
+def codebook_thresholds(codebook: str) -> list[float]: ...
+def fp4_magnitude_codes() -> list[int]: ...
+def zero_code(codebook: str) -> int: ...
+def code_bits(codebook: str) -> int: ...
 def simd_level() -> str: ...
 def kernel_sources() -> dict[str, str]: ...
 def _panic(message: str) -> None: ...
