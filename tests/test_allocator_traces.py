@@ -69,14 +69,15 @@ def _timeline_replay(doc: dict[str, Any]) -> Any:
     c = doc["config"]
     preset = dict(MODEL_PRESETS[c["arch"]], num_hidden_layers=c["layers"])
     setup = TrainingSetup.create(
-        preset, batch=c["batch"], seq_len=c["seq"], grad_checkpointing=c["gc"]
+        preset, batch=c["batch"], seq_len=c["seq"], grad_checkpointing=c["gc"], loop="benchmark"
     )
-    return replay(peft_bnb_events(setup))
+    return replay(peft_bnb_events(setup, loop="benchmark", steps=2))
 
 
 def test_estimators_timeline_reaches_the_traced_peaks() -> None:
     """The estimator writes the run's allocations from the architecture alone
-    (`timeline.peft_bnb_events`); replayed, with segments placed as the driver places them,
+    (`timeline.peft_bnb_events`, the traced script's loop); replayed, with segments placed as
+    the driver places them,
     they must peak where the real run did: allocated and reserved bytes within 0.5% in every
     trace (what is left is the small pool's 2 MiB segments)."""
     for path in TRACES:

@@ -3,9 +3,11 @@ framework registry, bad input, and the committed H100 measurements."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 import nybble
 from nybble.memory import (
     BREAKDOWN_KEYS,
+    DEFAULT_OUTSIDE_ALLOCATOR,
     MODEL_PRESETS,
     Architecture,
     Footprint,
@@ -29,7 +32,7 @@ from nybble.memory import (
     stored_weight,
 )
 from nybble.memory.estimate import _largest_within
-from nybble.memory.frameworks import FRAMEWORKS, PeftBnb, blk
+from nybble.memory.frameworks import FRAMEWORKS, blk
 from nybble.memory.presets import GiB, MiB
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "memory" / "results"
@@ -112,19 +115,18 @@ def test_qwen3_4b_layer_is_under_60_mb_as_nf4() -> None:
     assert total < 60e6
 
 
-def test_framework_weight_storage_is_the_codec_plus_bnb_tables() -> None:
-    setup = TrainingSetup.create("qwen3-4b")
-    w = PeftBnb().weights(setup)
-    layers = setup.arch.num_layers
-    codec_codes = layers * sum(
-        stored_weight(o * i, "nf4", 64, True).codes for o, i in QWEN3_4B_LAYER.values()
-    )
-    codec_consts = layers * sum(
-        stored_weight(o * i, "nf4", 64, True).constants for o, i in QWEN3_4B_LAYER.values()
-    )
-    assert w["quantized_weights"] == codec_codes  # every code buffer is a multiple of 512
-    # bitsandbytes keeps its code tables (16 + 256 floats) per layer; blocks round to 512 B
-    assert codec_consts < w["quant_constants"] <= codec_consts + layers * 7 * 5 * 512 + 7 * 1024
+def test_replayed_weight_storage_is_the_codec_layout() -> None:
+    """The weights in the breakdown are the replayed blocks of bitsandbytes' storage: the
+    codec's codes, and its constants less the 4-byte nested offset (a Python float in bnb),
+    each block rounded to 512 bytes by the allocator (a large block may keep an unsplit
+    remainder of at most 1 MiB)."""
+    est = estimate_memory("qwen3-4b", seq_len=256)
+    layers = est.setup.arch.num_layers
+    weights = [stored_weight(o * i, "nf4", 64, True) for o, i in QWEN3_4B_LAYER.values()]
+    codes = layers * sum(w.codes for w in weights)
+    consts = layers * sum(blk(w.nblocks) + blk(4 * w.nested_blocks) for w in weights)
+    assert codes <= est.breakdown["quantized_weights"] <= codes + layers * 7 * MiB
+    assert consts <= est.breakdown["quant_constants"] <= consts + layers * 7 * MiB
 
 
 def test_formats_order_by_size() -> None:
@@ -147,10 +149,13 @@ def test_formats_order_by_size() -> None:
 def test_total_is_the_sum_of_the_breakdown() -> None:
     est = estimate_memory("llama-3.2-1b", batch=2, seq_len=1024)
     assert sum(est.breakdown.values()) == est.total_bytes
+    assert tuple(est.breakdown) == BREAKDOWN_KEYS
     assert est.allocated_peak_bytes <= est.reserved_peak_bytes
     assert est.reserved_peak_bytes + est.context_bytes == est.total_bytes
+    assert est.breakdown["outside_allocator"] == est.context_bytes
+    assert est.breakdown["allocator_cache"] == est.reserved_peak_bytes - est.allocated_peak_bytes
     assert est.peak_phase in est.phases
-    assert max(est.phases.values()) == est.total_bytes
+    assert max(est.phases.values()) == est.allocated_peak_bytes
 
 
 def test_memory_grows_with_batch_and_seq_len() -> None:
@@ -323,10 +328,10 @@ def test_search_rejects_bad_gpu_sizes() -> None:
     [
         ("24GiB", 24 * GiB),
         ("24 gib", 24 * GiB),
-        ("16GB", 16 * 10**9),
+        ("16GB", 16 * GiB),  # GPU labels' GB is binary: a "16 GB" card holds 16 GiB
         ("80g", 80 * GiB),
         ("512MiB", 512 * MiB),
-        ("rtx4090", 24 * GiB),
+        ("rtx4090", 24564 * MiB),
         ("A100-40G", 40 * GiB),
         ("1234", 1234),
         (2048, 2048),
@@ -351,40 +356,49 @@ def test_a_new_framework_is_one_class() -> None:
         description = "everything in one phase"
 
         def footprint(self, setup: TrainingSetup) -> Footprint:
-            parts = {k: 0 for k in BREAKDOWN_KEYS}
-            parts["activations"] = setup.tokens * 1000
+            parts = {"activations": setup.tokens * 1000}
             return Footprint([Phase("only", parts)], allocator_cache=10, context=100)
 
     register_framework(Flat())
     try:
         est = estimate_memory("tiny", batch=3, seq_len=10, framework="flat-test")
         assert est.total_bytes == 30_000 + 10 + 100
-        assert est.breakdown["runtime_overhead"] == 110
+        assert est.breakdown["allocator_cache"] == 10
+        assert est.breakdown["outside_allocator"] == 100
         assert est.max_batch(3 * 10_000 + 110) == 3
     finally:
         del FRAMEWORKS["flat-test"]
 
 
 # --- against the peaks measured on an H100 (benchmarks/memory/) ---------------------------
+# The committed results were measured with the benchmark script's loop (`loop="benchmark"`)
+# before SPEC §5 counted the memory outside the allocator after a step: they check the
+# replayed reserved and allocated peaks, which the new definition keeps.
 
 
-def _measured(name: str = "measured.jsonl") -> list[dict[str, object]]:
+def _measured(name: str = "measured.jsonl") -> list[dict[str, Any]]:
     path = MEASURED / name
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [r for r in rows if "step2" in r]
 
 
-def _estimate_for(rec: dict[str, object]) -> nybble.memory.MemoryEstimate:
-    preset = dict(MODEL_PRESETS[str(rec["arch"])], num_hidden_layers=rec["layers"])
-    return estimate_memory(
-        preset,
-        lora_r=int(rec.get("r", 16)),  # type: ignore[call-overload]
-        lora_dropout=float(rec.get("dropout", 0.0)),  # type: ignore[arg-type]
-        optimizer=str(rec.get("optim", "adamw")),
-        batch=int(rec["batch"]),  # type: ignore[call-overload]
-        seq_len=int(rec["seq"]),  # type: ignore[call-overload]
-        grad_checkpointing=bool(rec["gc"]),
-    )
+@functools.cache
+def _old_protocol(name: str) -> list[tuple[dict[str, Any], nybble.memory.MemoryEstimate]]:
+    out = []
+    for rec in _measured(name):
+        preset = dict(MODEL_PRESETS[str(rec["arch"])], num_hidden_layers=rec["layers"])
+        est = estimate_memory(
+            preset,
+            lora_r=int(rec.get("r", 16)),
+            lora_dropout=float(rec.get("dropout", 0.0)),
+            optimizer=str(rec.get("optim", "adamw")),
+            batch=int(rec["batch"]),
+            seq_len=int(rec["seq"]),
+            grad_checkpointing=bool(rec["gc"]),
+            loop="benchmark",
+        )
+        out.append((rec, est))
+    return out
 
 
 def test_measurements_cover_what_the_issue_asks() -> None:
@@ -399,38 +413,27 @@ def test_measurements_cover_what_the_issue_asks() -> None:
         assert {r["gc"] for r in mine} == {True, False}
 
 
-def test_allocated_peak_matches_measurements_within_2_percent() -> None:
-    for rec in _measured():
-        est = _estimate_for(rec)
-        measured = rec["step2"]["peak_allocated"]  # type: ignore[index]
-        err = (est.allocated_peak_bytes - measured) / measured
+@pytest.mark.parametrize("name", ["measured.jsonl", "holdout.jsonl"])
+def test_replayed_peaks_match_the_benchmark_measurements(name: str) -> None:
+    """51 measured and 14 held-out configurations: the reserved peak of the steady step within
+    1% (mean under 0.1%), the allocated peak within 2%."""
+    reserved_errors = []
+    for rec, est in _old_protocol(name):
+        measured = rec["step2"]["peak_reserved"]
+        reserved_errors.append((est.reserved_peak_bytes - measured) / measured)
+        alloc = rec["step2"]["peak_allocated"]
+        err = (est.allocated_peak_bytes - alloc) / alloc
         assert abs(err) < 0.02, (rec["arch"], rec["layers"], rec["batch"], rec["seq"], err)
+    assert len(reserved_errors) == {"measured.jsonl": 51, "holdout.jsonl": 14}[name]
+    assert max(abs(e) for e in reserved_errors) < 0.01, reserved_errors
+    assert sum(abs(e) for e in reserved_errors) / len(reserved_errors) < 0.001
 
 
-def test_total_matches_measurements_within_1_percent() -> None:
-    """All 51 measured peaks (the issue asks for 5%); mean |error| under 0.1%."""
-    errors = []
-    for rec in _measured():
-        est = _estimate_for(rec)
-        measured = rec["step2"]["peak_reserved"] + rec["context_bytes"]  # type: ignore[index,operator]
-        errors.append((est.total_bytes - measured) / measured)
-    assert len(errors) == 51
-    assert max(abs(e) for e in errors) < 0.01, errors
-    assert sum(abs(e) for e in errors) / len(errors) < 0.001
-
-
-def test_total_matches_the_holdout_measurements_within_1_percent() -> None:
-    """14 configurations measured after the allocation model was settled (other sequence
-    lengths, batch sizes, depths, rank, dropout, 8-bit AdamW)."""
-    errors = []
-    for rec in _measured("holdout.jsonl"):
-        est = _estimate_for(rec)
-        measured = rec["step2"]["peak_reserved"] + rec["context_bytes"]  # type: ignore[index,operator]
-        errors.append((est.total_bytes - measured) / measured)
-    assert len(errors) == 14
-    assert max(abs(e) for e in errors) < 0.01, errors
-
-
-def test_context_constant_is_the_measured_one() -> None:
-    rec = json.loads((MEASURED / "context.jsonl").read_text().splitlines()[0])
-    assert abs(PeftBnb().c.cuda_context - rec["context_bytes"]) < 8 * MiB
+def test_the_outside_part_is_the_measured_one() -> None:
+    """SPEC §5's figure (751 MiB after a step of the plain loop on the H100) is the default; the
+    benchmark runs measured the same part at their end (NVML minus reserved): 742 MiB in all."""
+    assert DEFAULT_OUTSIDE_ALLOCATOR == 751 * MiB
+    assert estimate_memory("tiny", seq_len=64).context_bytes == DEFAULT_OUTSIDE_ALLOCATOR
+    for rec, _ in _old_protocol("measured.jsonl"):
+        outside = rec["nvml_process_end"] - rec["step3"]["phases"]["end"]["reserved"]
+        assert abs(outside - DEFAULT_OUTSIDE_ALLOCATOR) < 16 * MiB

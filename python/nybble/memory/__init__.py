@@ -1,16 +1,15 @@
-"""Memory-budget estimator: will a QLoRA fine-tune fit on my GPU? (SPEC §5)
+"""Memory-budget estimator: will a QLoRA fine-tune fit on my GPU? (SPEC §5, docs/estimator.md)
 
-    est = nybble.estimate_memory("qwen3-4b", batch=2, seq_len=2048)
-    est.total_bytes, est.breakdown, est.fits("24GiB"), est.max_batch("rtx4090")
+    est = nybble.estimate_memory("qwen3-4b", batch=2, seq_len=2048, gpu="rtx4090")
+    est.total_bytes, est.breakdown, est.fits(), est.max_batch(), est.suggestions()
 
 Pure Python (no numpy, no torch): importable anywhere, including by the GPU measurement
 script in benchmarks/memory/, which checks these figures against measured peaks.
 """
 
 from .arch import PROJECTIONS, Architecture
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, Suggestion, estimate_memory
 from .frameworks import (
-    BREAKDOWN_KEYS,
     FRAMEWORKS,
     Footprint,
     FrameworkModel,
@@ -19,28 +18,37 @@ from .frameworks import (
     get_framework,
     register_framework,
 )
-from .presets import GPU_PRESETS, MODEL_PRESETS, parse_size
+from .parts import BREAKDOWN_KEYS
+from .presets import GPU_PRESETS, GPUS, MODEL_PRESETS, GpuSpec, parse_size, resolve_gpu
 from .quant import codec_nbytes, stored_weight
-from .setup import TrainingSetup, resolve_model
+from .runtime import DEFAULT_OUTSIDE_ALLOCATOR, outside_allocator
+from .setup import LOOPS, TrainingSetup, resolve_model
 
 __all__ = [
     "BREAKDOWN_KEYS",
+    "DEFAULT_OUTSIDE_ALLOCATOR",
     "FRAMEWORKS",
+    "GPUS",
     "GPU_PRESETS",
+    "LOOPS",
     "MODEL_PRESETS",
     "PROJECTIONS",
     "Architecture",
     "Footprint",
     "FrameworkModel",
+    "GpuSpec",
     "MemoryEstimate",
     "PeftBnb",
     "Phase",
+    "Suggestion",
     "TrainingSetup",
     "codec_nbytes",
     "estimate_memory",
     "get_framework",
+    "outside_allocator",
     "parse_size",
     "register_framework",
+    "resolve_gpu",
     "resolve_model",
     "stored_weight",
 ]

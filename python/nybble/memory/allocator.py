@@ -433,6 +433,15 @@ class CachingAllocator:
                 nxt.next.prev = block
         self._insert_free(block)
 
+    def block_size(self, handle: int) -> int:
+        """Bytes of the live block `handle` (what `allocated` counts for it)."""
+        if handle == 0:
+            return 0
+        block = self._live.get(handle)
+        if block is None:
+            raise ValueError(f"invalid handle {handle:#x}: not a live allocation")
+        return block.size
+
     def place_next_segment(self, address: int) -> None:
         """Give the next segment cudaMalloc'd this address: a replay of a real trace uses the
         real addresses, which decide which of two equal free blocks a request takes."""
@@ -564,7 +573,8 @@ def replay(
     Events: ("alloc", key, size), ("free", key, _), ("empty_cache", _, _),
     ("reset_peak", _, _) and ("place_segment", address, _) (`place_next_segment`). `key` is the
     caller's name for a tensor (a real trace's address, say); a key may be reused once its
-    tensor is freed. All on stream 0.
+    tensor is freed. All on stream 0. A timeline's markers are understood too: ("step", n, _)
+    resets the peaks as reset_peak does, ("phase", i, _) changes nothing here.
     """
     alloc = CachingAllocator(capacity, max_split_size)
     handles: dict[int, int] = {}
@@ -580,8 +590,10 @@ def replay(
             alloc.free(handle)
         elif op == "empty_cache":
             alloc.empty_cache()
-        elif op == "reset_peak":
+        elif op in ("reset_peak", "step"):
             alloc.reset_peak_stats()
+        elif op == "phase":
+            pass
         elif op == "place_segment":
             alloc.place_next_segment(key)
         else:

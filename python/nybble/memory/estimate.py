@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arch import Architecture
-from .frameworks import BREAKDOWN_KEYS, Footprint, Phase, get_framework
-from .presets import GiB, parse_size
+from .frameworks import Footprint, Phase, get_framework
+from .parts import ALLOCATOR_CACHE, BREAKDOWN_KEYS, OUTSIDE_ALLOCATOR, TENSOR_PARTS
+from .presets import GiB, GpuSpec, parse_bytes, resolve_gpu
+from .runtime import outside_allocator
 from .setup import ModelLike, TrainingSetup
 
 #: Longest sequence the search tries (2^20 tokens).
@@ -16,15 +18,31 @@ MAX_SEQ_LEN = 1 << 20
 #: Largest batch the search tries.
 MAX_BATCH = 1 << 16
 
+GpuLike = int | float | str | GpuSpec
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """One change to the setup and the total it gives (`MemoryEstimate.suggestions`)."""
+
+    setting: str
+    value: Any
+    total_bytes: int
+    description: str
+
 
 @dataclass
 class MemoryEstimate:
-    """Peak GPU memory of one training step, as the chosen framework would use it.
+    """GPU memory of a steady training step, as the chosen framework would use it.
 
-    `total_bytes` is what SPEC §5 measures: the peak reserved by the CUDA caching allocator
-    during a steady-state step plus the CUDA context. `allocated_peak_bytes` leaves out the
-    allocator's cached blocks; `reserved_peak_bytes` leaves out the context. `breakdown` splits
-    `total_bytes` into named parts, as they stand at the peak moment (`peak_phase`).
+    `total_bytes` is what SPEC §5 measures: the peak the CUDA caching allocator reserves during
+    a steady step of the training loop, plus the process's memory outside the allocator
+    (`context_bytes`: CUDA context and the kernels loaded by then). `breakdown` splits it into
+    named parts (docs/estimator.md) that add up to it exactly: the tensors alive at the step's
+    allocated peak (`peak_phase`), the allocator's free blocks at that moment, the outside part.
+    `allocated_peak_bytes` leaves out the allocator's cached blocks, `reserved_peak_bytes` the
+    outside part. `margin_bytes` is what the allocator's history can add on top: plan with
+    `total_bytes`, and know that a run whose blocks land otherwise may need that much more.
     """
 
     setup: TrainingSetup
@@ -38,52 +56,153 @@ class MemoryEstimate:
     phases: dict[str, int]
     notes: list[str] = field(default_factory=list)
     details: dict[str, int] = field(default_factory=dict)
+    margin_bytes: int = 0
+    context_source: str = ""
+    step_reserved_bytes: list[int] = field(default_factory=list)
+    gpu: GpuSpec | None = None
+    #: the caller's outside-allocator figure, kept for the estimates the searches make
+    context_override: int | None = None
 
     # --- the questions --------------------------------------------------------------
 
-    def fits(self, gpu_bytes: int | str) -> bool:
-        """True when `total_bytes` is at most the GPU's memory (bytes, `24GiB`, `rtx4090`)."""
-        return self.total_bytes <= parse_size(gpu_bytes)
+    def gpu_bytes(self, gpu: GpuLike | None = None) -> int:
+        """Bytes of `gpu` (a size such as `24GB`, bytes, a name such as `rtx4090`), or of the
+        GPU the estimate was made for."""
+        return self._gpu(gpu).total_bytes
 
-    def headroom(self, gpu_bytes: int | str) -> int:
+    def _gpu(self, gpu: GpuLike | None) -> GpuSpec:
+        if gpu is None:
+            if self.gpu is None:
+                raise ValueError(
+                    "no GPU given: pass one (24GB, bytes, or a name such as rtx4090) or "
+                    "estimate with gpu=..."
+                )
+            return self.gpu
+        return gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu)
+
+    def fits(self, gpu: GpuLike | None = None) -> bool:
+        """True when `total_bytes` is at most the GPU's memory (`24GB`, bytes, `rtx4090`)."""
+        return self.total_bytes <= self.gpu_bytes(gpu)
+
+    def fits_with_margin(self, gpu: GpuLike | None = None) -> bool:
+        """True when even `total_bytes + margin_bytes` fits."""
+        return self.total_bytes + self.margin_bytes <= self.gpu_bytes(gpu)
+
+    def headroom(self, gpu: GpuLike | None = None) -> int:
         """GPU bytes left over at the peak (negative when it does not fit)."""
-        return parse_size(gpu_bytes) - self.total_bytes
+        return self.gpu_bytes(gpu) - self.total_bytes
 
-    def max_batch(self, gpu_bytes: int | str) -> int:
+    def max_batch(self, gpu: GpuLike | None = None) -> int:
         """Largest batch size (at this seq_len) that fits; 0 when batch 1 does not."""
-        return self._largest_fitting(parse_size(gpu_bytes), lambda b: {"batch": b}, MAX_BATCH)
+        return self._largest_fitting(self.gpu_bytes(gpu), lambda b: {"batch": b}, MAX_BATCH)
 
-    def max_seq_len(self, gpu_bytes: int | str, multiple_of: int = 1) -> int:
+    def max_seq_len(self, gpu: GpuLike | None = None, multiple_of: int = 1) -> int:
         """Longest sequence (at this batch, a multiple of `multiple_of`) that fits; 0 if none."""
-        if multiple_of < 1:
-            raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+        if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+            raise ValueError(f"multiple_of must be an integer >= 1, got {multiple_of!r}")
         steps = self._largest_fitting(
-            parse_size(gpu_bytes),
+            self.gpu_bytes(gpu),
             lambda n: {"seq_len": n * multiple_of},
             MAX_SEQ_LEN // multiple_of,
         )
         return steps * multiple_of
+
+    def suggestions(self, gpu: GpuLike | None = None) -> list[Suggestion]:
+        """When the setup does not fit: single changes that make it fit, the smallest first
+        (checkpointing, double quantization, a smaller batch, a shorter sequence, a lower
+        LoRA rank); if none does, all of the first three with the longest sequence that fits.
+        Empty when it fits already, or when nothing makes it fit."""
+        limit = self.gpu_bytes(gpu)
+        if self.total_bytes <= limit:
+            return []
+        s, out = self.setup, []
+
+        def attempt(setting: str, value: Any, description: str, **changes: Any) -> None:
+            est = self._at(**changes)
+            if est.total_bytes <= limit:
+                out.append(Suggestion(setting, value, est.total_bytes, description))
+
+        if not s.grad_checkpointing:
+            attempt(
+                "grad_checkpointing",
+                True,
+                "turn gradient checkpointing on",
+                grad_checkpointing=True,
+            )
+        if s.quantized and not s.double_quant:
+            attempt("double_quant", True, "use double quantization", double_quant=True)
+        if s.batch > 1:
+            b = self.max_batch(limit)
+            if b >= 1:
+                out.append(
+                    Suggestion(
+                        "batch",
+                        b,
+                        self._at(batch=b).total_bytes,
+                        f"batch {b} (accumulate gradients over {-(-s.batch // b)} steps to keep "
+                        f"the effective batch of {s.batch})",
+                    )
+                )
+        step = 64 if s.seq_len >= 64 else 1
+        n = self.max_seq_len(limit, multiple_of=step)
+        if n >= 1:
+            out.append(
+                Suggestion(
+                    "seq_len", n, self._at(seq_len=n).total_bytes, f"sequences of {n} tokens"
+                )
+            )
+        r = s.lora_r // 2
+        while r >= 1:
+            est = self._at(lora_r=r)
+            if est.total_bytes <= limit:
+                out.append(Suggestion("lora_r", r, est.total_bytes, f"LoRA rank {r}"))
+                break
+            r //= 2
+        if out:
+            return out
+        cheap = dict(grad_checkpointing=True, batch=1)
+        if s.quantized:
+            cheap["double_quant"] = True
+        base = self._at(**cheap)
+        n = base.max_seq_len(limit, multiple_of=step)
+        if n >= 1:
+            total = base._at(seq_len=n).total_bytes
+            what = (
+                "gradient checkpointing, double quantization, batch 1"
+                if s.quantized
+                else ("gradient checkpointing, batch 1")
+            )
+            return [
+                Suggestion(
+                    "combined", dict(cheap, seq_len=n), total, f"{what} and sequences of {n} tokens"
+                )
+            ]
+        return []
 
     def sweep_seq_len(self, seq_lens: Sequence[int]) -> list[MemoryEstimate]:
         """The same setup at other sequence lengths (for plots)."""
         return [self._at(seq_len=n) for n in seq_lens]
 
     def _at(self, **changes: Any) -> MemoryEstimate:
-        return _estimate(self.setup.with_(**changes), self.framework)
+        return _estimate(
+            self.setup.with_(**changes), self.framework, self.context_override, self.gpu
+        )
 
     def _largest_fitting(
         self, limit: int, changes: Callable[[int], dict[str, Any]], hi: int
     ) -> int:
         """Largest n in [1, hi] whose setup with `changes(n)` fits in `limit` bytes. The
-        framework's quick footprint (for transformers + PEFT + bitsandbytes: without the
-        allocator's cache, so no replay) bounds the total from below and narrows the range;
-        then a few full estimates finish."""
+        framework's lower bound (for transformers + PEFT + bitsandbytes: the replay's events
+        without the allocator) narrows the range; then a few full estimates finish."""
+        model = get_framework(self.framework)
 
-        def total(n: int, quick: bool = False) -> int:
-            setup = self.setup.with_(**changes(n))
-            return _estimate(setup, self.framework, quick).total_bytes
+        def lower(n: int) -> int:
+            return model.lower_bound(self.setup.with_(**changes(n))) + self.context_bytes
 
-        top = _largest(lambda n: total(n, quick=True) <= limit, hi)
+        def total(n: int) -> int:
+            return self._at(**changes(n)).total_bytes
+
+        top = _largest(lambda n: lower(n) <= limit, hi)
         return _largest_within(total, limit, top)
 
     # --- output ---------------------------------------------------------------------
@@ -98,7 +217,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         s = self.setup
-        return dict(
+        out: dict[str, Any] = dict(
             model=s.arch.name,
             framework=self.framework,
             settings=dict(
@@ -114,6 +233,7 @@ class MemoryEstimate:
                 seq_len=s.seq_len,
                 grad_checkpointing=s.grad_checkpointing,
                 compute_dtype=s.compute_dtype,
+                loop=s.loop,
             ),
             parameters=s.arch.num_parameters,
             lora_parameters=s.arch.lora_parameters(s.lora_r, s.targets),
@@ -121,11 +241,24 @@ class MemoryEstimate:
             reserved_peak_bytes=self.reserved_peak_bytes,
             allocated_peak_bytes=self.allocated_peak_bytes,
             context_bytes=self.context_bytes,
+            context_source=self.context_source,
+            margin_bytes=self.margin_bytes,
             breakdown=dict(self.breakdown),
             peak_phase=self.peak_phase,
             phases=dict(self.phases),
+            step_reserved_bytes=list(self.step_reserved_bytes),
             notes=list(self.notes),
         )
+        if self.gpu is not None:
+            out["gpu"] = dict(
+                name=self.gpu.name,
+                label=self.gpu.label,
+                bytes=self.gpu.total_bytes,
+                fits=self.fits(),
+                fits_with_margin=self.fits_with_margin(),
+                headroom_bytes=self.headroom(),
+            )
+        return out
 
     def __repr__(self) -> str:
         return (
@@ -181,28 +314,46 @@ def _largest_within(total: Callable[[int], int], limit: int, top: int) -> int:
     return good
 
 
-def _estimate(setup: TrainingSetup, framework: str, quick: bool = False) -> MemoryEstimate:
+def _estimate(
+    setup: TrainingSetup,
+    framework: str,
+    context: int | None = None,
+    gpu: GpuSpec | None = None,
+) -> MemoryEstimate:
     model = get_framework(framework)
-    fp: Footprint = model.quick_footprint(setup) if quick else model.footprint(setup)
+    fp: Footprint = model.footprint(setup)
     peak: Phase = fp.peak
+    unknown = set(peak.parts) - set(TENSOR_PARTS)
+    if unknown:
+        raise ValueError(f"framework {model.name!r} reports unknown parts {sorted(unknown)}")
     allocated = peak.total
     reserved = allocated + fp.allocator_cache
-    total = reserved + fp.context
-    breakdown = {k: peak.parts.get(k, 0) for k in BREAKDOWN_KEYS}
-    breakdown["runtime_overhead"] += fp.allocator_cache + fp.context
-    details = dict(fp.details, allocator_cache=fp.allocator_cache, cuda_context=fp.context)
+    if context is None:
+        context_bytes = fp.context
+        source = outside_allocator(gpu.generation if gpu else None).source
+    else:
+        context_bytes, source = context, "given"
+    breakdown = {k: peak.parts.get(k, 0) for k in TENSOR_PARTS}
+    breakdown[ALLOCATOR_CACHE] = fp.allocator_cache
+    breakdown[OUTSIDE_ALLOCATOR] = context_bytes
+    assert tuple(breakdown) == BREAKDOWN_KEYS
     return MemoryEstimate(
         setup=setup,
         framework=model.name,
-        total_bytes=total,
+        total_bytes=reserved + context_bytes,
         allocated_peak_bytes=allocated,
         reserved_peak_bytes=reserved,
-        context_bytes=fp.context,
+        context_bytes=context_bytes,
         breakdown=breakdown,
         peak_phase=peak.name,
-        phases={p.name: p.total + fp.allocator_cache + fp.context for p in fp.phases},
-        notes=fp.notes,
-        details=details,
+        phases={p.name: p.total for p in fp.phases},
+        notes=list(fp.notes),
+        details=dict(fp.details),
+        margin_bytes=fp.margin,
+        context_source=source,
+        step_reserved_bytes=list(fp.step_reserved),
+        gpu=gpu,
+        context_override=context,
     )
 
 
@@ -222,16 +373,25 @@ def estimate_memory(
     compute_dtype: str = "bfloat16",
     framework: str = "peft-bnb",
     lora_dropout: float = 0.0,
+    loop: str = "plain",
+    context: int | str | None = None,
+    gpu: GpuLike | None = None,
 ) -> MemoryEstimate:
-    """Peak GPU memory of a (Q)LoRA training step (SPEC §5).
+    """GPU memory of a steady (Q)LoRA training step (SPEC §5, docs/estimator.md).
 
     `model`: a preset name (`nybble.memory.MODEL_PRESETS`), a path to a Hugging Face
-    `config.json` (or its folder), a config dict, or an `Architecture`. `quant`: the base
-    weights' format (nf4, fp4, int8, or bfloat16/float16/float32 for plain LoRA). `targets`:
-    "all-linear" or projection names (q_proj, ..., down_proj). `framework`: whose memory
-    behaviour to model ("peft-bnb": transformers + PEFT + bitsandbytes).
+    `config.json` (or its folder), a Hub id whose config is in the local Hugging Face cache
+    (`Qwen/Qwen3-4B`), a config dict, or an `Architecture`. `quant`: the base weights' format
+    (nf4, fp4, int8, or bfloat16/float16/float32 for plain LoRA). `targets`: "all-linear" or
+    projection names (q_proj, ..., down_proj). `framework`: whose memory behaviour to model
+    ("peft-bnb": transformers + PEFT + bitsandbytes). `loop`: "plain" (SPEC §5's training loop)
+    or "benchmark" (benchmarks/memory/measure_peft_bnb.py's). `context`: the process's memory
+    outside torch's allocator, if you measured it (bytes or a size such as "751MiB"); by
+    default the runtime's figure (`nybble.memory.runtime`). `gpu`: the GPU to answer for (a
+    name such as "rtx4090" or a size such as "24GB"): `fits()`, `max_batch()` and the others
+    then need no argument, and `to_dict()` says whether it fits.
 
-    Raises ValueError (or KeyError-free ValueError for unknown names) on bad input.
+    Raises ValueError on bad input (FormatError, a ValueError, for a bad config file).
     """
     setup = TrainingSetup.create(
         model,
@@ -247,5 +407,8 @@ def estimate_memory(
         seq_len=seq_len,
         grad_checkpointing=grad_checkpointing,
         compute_dtype=compute_dtype,
+        loop=loop,
     )
-    return _estimate(setup, framework)
+    spec = None if gpu is None else (gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu))
+    outside = None if context is None else parse_bytes(context, "context", minimum=0)
+    return _estimate(setup, framework, outside, spec)

@@ -1,8 +1,13 @@
-"""Named model configurations (the fields of their Hugging Face `config.json`) and GPU sizes."""
+"""Named model configurations (the fields of their Hugging Face `config.json`), the GPU table
+and how memory sizes are read."""
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
+from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 GiB = 1 << 30
@@ -133,67 +138,148 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-#: GPU memory sizes by name (bytes the card reports as total, the figure `fits` compares with).
-GPU_PRESETS: dict[str, int] = {
-    "t4": 15 * GiB,
-    "rtx3060": 12 * GiB,
-    "rtx3090": 24 * GiB,
-    "rtx4070": 12 * GiB,
-    "rtx4080": 16 * GiB,
-    "rtx4090": 24 * GiB,
-    "rtx5090": 32 * GiB,
-    "l4": 22 * GiB + 512 * MiB,
-    "a10g": 22 * GiB + 512 * MiB,
-    "v100-16g": 16 * GiB,
-    "v100-32g": 32 * GiB,
-    "a100-40g": 40 * GiB,
-    "a100-80g": 80 * GiB,
-    "l40s": 45 * GiB,
-    "h100-80g": 79 * GiB + 648 * MiB,
-    "h200": 140 * GiB + 411 * MiB,
-}
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU's memory as `fits` compares with it. `total_bytes` is the total the card reports
+    (nvidia-smi's memory.total) where it was read off a card, else the label's size in GiB;
+    `generation` names the architecture (for runtime figures measured per generation)."""
+
+    name: str
+    label: str
+    total_bytes: int
+    generation: str | None = None
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+
+def _gpu(name: str, label: str, mib: int, generation: str, *aliases: str) -> tuple[str, GpuSpec]:
+    return name, GpuSpec(name, label, mib * MiB, generation, aliases)
+
+
+#: Common training GPUs from 8 to 141 GB, datacenter and consumer. Sizes in MiB as nvidia-smi
+#: reports them where known (H100 80GB HBM3: 81559, read on the measurement machine), else the
+#: label's GiB. `a100` and `h100` mean their 80 GB versions; say `a100-40g` for the other.
+GPUS: dict[str, GpuSpec] = dict(
+    [
+        # datacenter
+        _gpu("h200", "H200 141GB", 143771, "hopper", "h200-141g", "h200sxm"),
+        _gpu("h100-94g", "H100 NVL 94GB", 95830, "hopper", "h100nvl"),
+        _gpu("h100-80g", "H100 80GB", 81559, "hopper", "h100", "h100sxm", "h100pcie"),
+        _gpu("a100-80g", "A100 80GB", 81920, "ampere", "a100", "a100sxm"),
+        _gpu("a100-40g", "A100 40GB", 40960, "ampere", "a100pcie"),
+        _gpu("l40s", "L40S 48GB", 46068, "ada", "l40s-48g"),
+        _gpu("l40", "L40 48GB", 46068, "ada", "l40-48g"),
+        _gpu("a6000", "RTX A6000 48GB", 49140, "ampere", "rtxa6000"),
+        _gpu("rtx6000-ada", "RTX 6000 Ada 48GB", 49140, "ada", "rtx6000ada", "6000ada"),
+        _gpu("a40", "A40 48GB", 46068, "ampere", "a40-48g"),
+        _gpu("v100-32g", "V100 32GB", 32768, "volta", "v10032"),
+        _gpu("v100-16g", "V100 16GB", 16384, "volta", "v100", "v10016"),
+        _gpu("a10g", "A10G 24GB", 23028, "ampere", "a10g-24g"),
+        _gpu("a10", "A10 24GB", 23028, "ampere", "a10-24g"),
+        _gpu("l4", "L4 24GB", 23034, "ada", "l4-24g"),
+        _gpu("t4", "T4 16GB", 15360, "turing", "t4-16g", "teslat4"),
+        # consumer
+        _gpu("rtx5090", "RTX 5090 32GB", 32 * 1024, "blackwell", "5090"),
+        _gpu("rtx5080", "RTX 5080 16GB", 16 * 1024, "blackwell", "5080"),
+        _gpu("rtx4090", "RTX 4090 24GB", 24564, "ada", "4090"),
+        _gpu("rtx4080", "RTX 4080 16GB", 16 * 1024, "ada", "4080", "rtx4080super"),
+        _gpu("rtx4070ti-super", "RTX 4070 Ti Super 16GB", 16 * 1024, "ada", "4070tisuper"),
+        _gpu("rtx4070", "RTX 4070 12GB", 12 * 1024, "ada", "4070"),
+        _gpu("rtx4060ti-16g", "RTX 4060 Ti 16GB", 16 * 1024, "ada", "4060ti16"),
+        _gpu("rtx4060", "RTX 4060 8GB", 8 * 1024, "ada", "4060"),
+        _gpu("rtx3090", "RTX 3090 24GB", 24576, "ampere", "3090", "rtx3090ti"),
+        _gpu("rtx3080", "RTX 3080 10GB", 10 * 1024, "ampere", "3080"),
+        _gpu("rtx3060", "RTX 3060 12GB", 12 * 1024, "ampere", "3060"),
+        _gpu("rtx2080ti", "RTX 2080 Ti 11GB", 11 * 1024, "turing", "2080ti"),
+    ]
+)
+
+#: GPU name -> bytes (kept for callers that only want the size).
+GPU_PRESETS: dict[str, int] = {name: spec.total_bytes for name, spec in GPUS.items()}
+
+#: Size units. GPU makers' "GB" is the binary gigabyte (a "24 GB" card holds 24 GiB), so every
+#: unit here is binary: k/kb/kib = 2^10, m/mb/mib = 2^20, g/gb/gib = 2^30, t/tb/tib = 2^40;
+#: a bare number is bytes.
+_UNITS = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+#: No GPU holds a petabyte: larger sizes are typing mistakes, refused.
+MAX_GPU_BYTES = 1 << 50
+
+
+def _normalize_gpu(text: str) -> str:
+    key = re.sub(r"[\s_\-.]+", "", text.strip().lower())
+    for prefix in ("nvidia", "geforce", "tesla", "quadro"):
+        key = key.removeprefix(prefix)
+    return key.removesuffix("b") if re.search(r"\dg?b$", key) else key
+
+
+def _gpu_index() -> dict[str, str]:
+    index: dict[str, str] = {}
+    for name, spec in GPUS.items():
+        for alias in (name, *spec.aliases):
+            index.setdefault(_normalize_gpu(alias), name)
+    return index
+
+
+_GPU_INDEX = _gpu_index()
 
 
 def parse_size(text: str | int | float) -> int:
-    """Bytes from `24GiB`, `24 GB`, `80g`, `12582912`, or a GPU name such as `rtx4090`.
-
-    GB means 10^9 bytes and GiB 2^30; a bare `g` is read as GiB, as GPU makers quote them.
+    """Bytes from `24GB`, `24GiB`, `24 gb`, `80g`, `512MiB`, `12582912`, or a GPU name
+    (`rtx4090`, `H100-80GB`, `a100`; see `GPUS`). Units are binary, as on GPU labels: GB = GiB.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"not a memory size: {text!r}")
-    if isinstance(text, (int, float)):
-        if text <= 0:
-            raise ValueError(f"a memory size must be positive, got {text!r}")
-        return int(text)
-    key = text.strip().lower()
-    if key in GPU_PRESETS:
-        return GPU_PRESETS[key]
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", key)
-    if not m or m.group(2) not in _UNITS:
-        known = ", ".join(sorted(GPU_PRESETS))
+    return resolve_gpu(text).total_bytes
+
+
+def resolve_gpu(text: str | int | float) -> GpuSpec:
+    """A GPU by name (case and punctuation ignored: `H100-80GB`, `h100`, `RTX 4090`) or a plain
+    size (`24GB`, bytes as a number); ValueError naming the closest names otherwise."""
+    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+        raise ValueError(f"not a GPU memory size or GPU name: {text!r}")
+    if not isinstance(text, str):
+        nbytes = parse_bytes(text, "a GPU memory size")
+        return GpuSpec(_size_label(nbytes), _size_label(nbytes), nbytes)
+    key = _normalize_gpu(text)
+    if key in _GPU_INDEX:
+        return GPUS[_GPU_INDEX[key]]
+    try:
+        nbytes = parse_bytes(text, "a GPU memory size")
+    except ValueError:
+        close = difflib.get_close_matches(key, list(_GPU_INDEX), n=3, cutoff=0.6)
+        if close:
+            names = " or ".join(dict.fromkeys(_GPU_INDEX[c] for c in close))
+            raise ValueError(f"unknown GPU {text!r}: did you mean {names}?") from None
+        if re.match(r"\s*[0-9.]", text):  # a size, just a bad one: say why
+            raise
         raise ValueError(
-            f"not a memory size or known GPU: {text!r} (use e.g. 24GiB, 16GB, or one of: {known})"
+            f"not a GPU memory size or known GPU: {text!r} (known GPUs: {', '.join(GPUS)}; "
+            "sizes look like 24GB, 24GiB or 512MiB, all binary units)"
+        ) from None
+    return GpuSpec(text.strip(), _size_label(nbytes), nbytes)
+
+
+def parse_bytes(text: str | int | float, what: str = "a memory size", minimum: int = 1) -> int:
+    """Bytes from a size (`24GB`, `751MiB`, `0.75g`, a number of bytes), binary units; from
+    `minimum` to 1 PiB. ValueError naming `what` otherwise."""
+    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+        raise ValueError(f"{what} must be a size such as 24GB or a number of bytes, got {text!r}")
+    if isinstance(text, str):
+        m = re.fullmatch(
+            r"([0-9]{1,20}(?:\.[0-9]{0,12})?|\.[0-9]{1,12})\s*([kmgt]?)(i?b)?", text.strip().lower()
         )
-    unit = m.group(2)
-    scale = 1 << 30 if unit == "g" else _UNITS[unit]
-    value = float(m.group(1)) * scale
-    if value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}")
+        if m is None:
+            raise ValueError(
+                f"{what} must look like 24GB, 24GiB, 512MiB or a number of bytes, got {text!r}"
+            )
+        value = Fraction(m.group(1)) * (1 << _UNITS[m.group(2)])
+    elif not math.isfinite(text):
+        raise ValueError(f"{what} must be finite, got {text!r}")
+    else:
+        value = Fraction(text)
+    if not minimum <= value <= MAX_GPU_BYTES:
+        raise ValueError(f"{what} must be from {minimum} byte(s) to 1 PiB, got {text!r}")
     return int(value)
+
+
+def _size_label(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= MiB else f"{nbytes} bytes"

@@ -11,6 +11,11 @@ from .arch import PROJECTIONS, Architecture
 from .presets import MODEL_PRESETS
 from .quant import QUANTIZED_FORMATS, check_blocksize, normalize_dtype, normalize_format
 
+#: The training loops an estimate can model (memory.timeline says how they differ): "plain",
+#: SPEC §5's loop (new input ids each step, labels = the ids, no attention mask, no KV cache),
+#: and "benchmark", the step loop of benchmarks/memory/measure_peft_bnb.py --loop benchmark.
+LOOPS = ("plain", "benchmark")
+
 #: Optimizers whose state the estimate knows.
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 _OPTIMIZER_ALIASES = {
@@ -94,6 +99,13 @@ def resolve_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(t for t in PROJECTIONS if t in out)
 
 
+def _loop(loop: str) -> str:
+    key = str(loop).strip().lower()
+    if key not in LOOPS:
+        raise ValueError(f"unknown training loop {loop!r} (known: {', '.join(LOOPS)})")
+    return key
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -119,6 +131,7 @@ class TrainingSetup:
     seq_len: int
     grad_checkpointing: bool
     compute_dtype: str
+    loop: str = "plain"
 
     @property
     def quantized(self) -> bool:
@@ -154,6 +167,7 @@ class TrainingSetup:
         seq_len: int = 2048,
         grad_checkpointing: bool = True,
         compute_dtype: str = "bfloat16",
+        loop: str = "plain",
     ) -> TrainingSetup:
         arch = resolve_model(model)
         fmt = normalize_format(quant)
@@ -185,6 +199,7 @@ class TrainingSetup:
             seq_len=_positive_int(seq_len, "seq_len"),
             grad_checkpointing=bool(grad_checkpointing),
             compute_dtype=normalize_dtype(compute_dtype, "compute_dtype"),
+            loop=_loop(loop),
         )
 
     def with_(self, **changes: Any) -> TrainingSetup:

@@ -1,22 +1,44 @@
 """The allocations of a transformers + PEFT + bitsandbytes QLoRA run, in order, for the
-allocator simulation (`allocator.replay`).
+allocator simulation (`allocator`), each tagged with the breakdown part it belongs to (`parts`).
 
 What the caching allocator keeps reserved depends on the order and sizes of every allocation
-and free, not only on how much is alive at the peak. `peft_bnb_events` writes that order down
+and free, not only on how much is alive at the peak. `PeftBnbTimeline` writes that order down
 for one `TrainingSetup`: model load (transformers' allocator warm-up, then each weight loaded
 in bf16 and quantized), `prepare_model_for_kbit_training` (float32 copies of the unquantized
-weights, `empty_cache`), PEFT's adapters, then two training steps (forward, loss, backward,
+weights, `empty_cache`), PEFT's adapters, then training steps (forward, loss, backward,
 AdamW, `zero_grad`). Each op is written as the tensors it allocates and frees, as the
 allocation traces of real runs (benchmarks/memory/results/traces) show them; tensors of a few
-kilobytes that live for one op are left out. Step 2 is the measured one: a `reset_peak`
-event precedes it.
+kilobytes that live for one op are left out. A ("step", n) event starts step n (peak counters
+reset, as a measurement resets them) and ("phase", i) events name the part of the step that
+follows (`Tape.phases[i]`).
+
+Two training loops are written (`LOOPS`), which differ in what the allocator sees:
+- "plain": the loop of SPEC §5 and docs/estimator.md: new input ids each step
+  (`torch.randint(..., device="cuda")`, labels = the ids, no attention mask),
+  `use_cache=False`;
+- "benchmark": the step loop of benchmarks/memory/measure_peft_bnb.py, which the traces
+  record: one batch made before training (ids, an all-ones attention mask, a copy of the ids
+  as labels) and the config's `use_cache` (True), so without checkpointing transformers' KV
+  cache keeps a copy of every layer's keys and values until the forward ends.
 """
 
 from __future__ import annotations
 
 from .arch import ATTENTION_PROJECTIONS
+from .parts import (
+    ACTIVATIONS,
+    GRADIENTS,
+    LOAD,
+    LOGITS_LOSS,
+    LORA_PARAMS,
+    OPTIMIZER_STATES,
+    QUANT_CONSTANTS,
+    QUANTIZED_WEIGHTS,
+    RUNTIME_OVERHEAD,
+    UNQUANTIZED_WEIGHTS,
+)
 from .quant import FLOAT_FORMATS, stored_weight
-from .setup import TrainingSetup, optimizer_states, optimizer_temporaries
+from .setup import LOOPS, TrainingSetup, optimizer_states, optimizer_temporaries
 
 Event = tuple[str, int, int]
 
@@ -26,15 +48,20 @@ CUBLAS_WORKSPACE = 32 << 20
 
 
 class Tape:
-    """Allocations and frees as `replay` events; tensors are named by increasing keys."""
+    """Allocations and frees as `replay` events; tensors are named by increasing keys, and
+    `tags[key]` is the breakdown part of each (`tag` unless given)."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
+        self.tags: dict[int, str] = {}
+        self.phases: list[str] = []
+        self.tag = ACTIVATIONS
         self._key = 0
 
-    def new(self, nbytes: int) -> int:
+    def new(self, nbytes: int, tag: str | None = None) -> int:
         self._key += 1
         self.events.append(("alloc", self._key, max(int(nbytes), 1)))
+        self.tags[self._key] = tag or self.tag
         return self._key
 
     def free(self, *keys: int | None) -> None:
@@ -42,12 +69,22 @@ class Tape:
             if key is not None:
                 self.events.append(("free", key, 0))
 
-    def temp(self, nbytes: int) -> None:
+    def temp(self, nbytes: int, tag: str | None = None) -> None:
         """A tensor that dies right after the op that made it."""
-        self.free(self.new(nbytes))
+        self.free(self.new(nbytes, tag))
 
     def mark(self, event: str) -> None:
         self.events.append((event, 0, 0))
+
+    def phase(self, name: str) -> None:
+        """What follows belongs to the part of the step called `name`."""
+        if name not in self.phases:
+            self.phases.append(name)
+        self.events.append(("phase", self.phases.index(name), 0))
+
+    def step(self, number: int) -> None:
+        """Training step `number` (1, 2, ...) starts; peak counters are reset."""
+        self.events.append(("step", number, 0))
 
 
 class _Saved:
@@ -72,9 +109,17 @@ class _Saved:
 class PeftBnbTimeline:
     """The event sequence of SPEC §5's recipe for one setup (see the module docstring)."""
 
-    def __init__(self, s: TrainingSetup) -> None:
+    def __init__(self, s: TrainingSetup, loop: str = "plain") -> None:
+        if loop not in LOOPS:
+            raise ValueError(f"unknown training loop {loop!r} (known: {', '.join(LOOPS)})")
         a = s.arch
         self.s, self.a, self.tape = s, a, Tape()
+        self.loop = loop
+        # transformers' KV cache during training forwards: the config's use_cache (True) in
+        # the benchmark loop, off in the plain loop; checkpointing turns it off either way
+        self.use_cache = loop == "benchmark" and not s.grad_checkpointing
+        self.steps_done = 0
+        self.input_ids: int | None = None
         self.t = s.tokens
         self.e = 4 if s.quantized else FLOAT_FORMATS[s.quant]  # residual stream bytes
         self.lb = FLOAT_FORMATS[s.lora_dtype]
@@ -95,9 +140,10 @@ class PeftBnbTimeline:
             n = out_f * in_f
             load += a.num_layers * (n // 2 if s.quantized else n * up)
         # transformers reserves the whole checkpoint in one block before loading into it
-        tp.temp(load)
+        tp.temp(load, LOAD)
         # (what is never freed stays allocated: the weights, the adapters, the inputs)
         # (in name order: lm_head.weight before model.embed_tokens.weight)
+        tp.tag = UNQUANTIZED_WEIGHTS
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
         embed = tp.new(2 * a.embedding_params)
         small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
@@ -120,30 +166,32 @@ class PeftBnbTimeline:
             tp.mark("empty_cache")
         # PEFT: A and B of every target, float32 unless told otherwise
         for n in s.lora_tensors():
-            tp.new(self.lb * n)
-        for _ in range(3):  # input_ids, attention_mask, labels
-            tp.new(8 * self.t)
+            tp.new(self.lb * n, LORA_PARAMS)
+        tp.tag = ACTIVATIONS
+        if self.loop == "benchmark":
+            for _ in range(3):  # input_ids, attention_mask, labels: made once, kept
+                tp.new(8 * self.t)
 
     def _load_linear(self, n: int, up: int) -> None:
         s, tp = self.s, self.tape
         if not s.quantized:
-            tp.new(n * up)
+            tp.new(n * up, UNQUANTIZED_WEIGHTS)
             return
-        bf16 = tp.new(2 * n)
+        bf16 = tp.new(2 * n, LOAD)
         w = stored_weight(n, s.quant, s.blocksize, s.double_quant)
-        absmax = tp.new(4 * w.nblocks)
-        tp.new(w.codes)
+        absmax = tp.new(4 * w.nblocks, LOAD)
+        tp.new(w.codes, QUANTIZED_WEIGHTS)
         if s.double_quant:
             # the float absmax is quantized again: uint8 codes, nested float32 absmax
-            tp.temp(4 * w.nblocks)
-            tp.new(w.nblocks)
-            tp.new(4 * w.nested_blocks)
+            tp.temp(4 * w.nblocks, LOAD)
+            tp.new(w.nblocks, QUANT_CONSTANTS)
+            tp.new(4 * w.nested_blocks, QUANT_CONSTANTS)
         else:
-            tp.new(4 * w.nblocks)
+            tp.new(4 * w.nblocks, QUANT_CONSTANTS)
         tp.free(absmax, bf16)
 
     def _upcast(self, key: int | None, n: int) -> None:
-        self.tape.new(4 * n)  # the float32 copy, kept
+        self.tape.new(4 * n, UNQUANTIZED_WEIGHTS)  # the float32 copy, kept
         self.tape.free(key)
 
     # --- forward ops -----------------------------------------------------------------
@@ -202,7 +250,7 @@ class PeftBnbTimeline:
     def _workspace(self, thread: int) -> None:
         """A thread's cuBLAS workspace, taken at its first matmul and kept."""
         if len(self.workspaces) == thread:
-            self.workspaces.append(self.tape.new(CUBLAS_WORKSPACE))
+            self.workspaces.append(self.tape.new(CUBLAS_WORKSPACE, RUNTIME_OVERHEAD))
 
     def _rope(self, x: int, width: int) -> int:
         """q * cos + rotate_half(q) * sin."""
@@ -240,7 +288,7 @@ class PeftBnbTimeline:
         qe = self._rope(q, qd)
         ke: int | None = self._rope(k, kvd)
         tp.free(q, k)
-        if not s.grad_checkpointing:
+        if self.use_cache:
             # transformers' DynamicCache keeps copies of k and v until the forward ends; the
             # attention goes on with the copies and the originals die
             ck, cv = tp.new(4 * t * kvd), tp.new(4 * t * kvd)
@@ -335,10 +383,10 @@ class PeftBnbTimeline:
         s, tp, t, e, lb = self.s, self.tape, self.t, self.e, self.lb
         out_f, in_f = self.shapes[name]
         gs = tp.new(e * t * out_f)  # grad * scaling
-        self.lora_grads.append(tp.new(lb * out_f * s.lora_r))
+        self.lora_grads.append(tp.new(lb * out_f * s.lora_r, GRADIENTS))
         ga = tp.new(lb * t * s.lora_r)
         tp.free(gs, sv.pop(name + ".a"))
-        self.lora_grads.append(tp.new(lb * s.lora_r * in_f))
+        self.lora_grads.append(tp.new(lb * s.lora_r * in_f, GRADIENTS))
         gxl = tp.new(lb * t * in_f) if input_grad else None
         tp.free(ga, sv.pop(name + ".in"), sv.pop(name + ".mask"))
         return gxl
@@ -534,10 +582,20 @@ class PeftBnbTimeline:
 
     # --- a training step -------------------------------------------------------------
 
-    def step(self, first: bool) -> None:
+    def step(self) -> None:
+        """One training step: forward, loss, backward, optimizer step, zero_grad."""
         s, a, tp, t, e = self.s, self.a, self.tape, self.t, self.e
         h, v = a.hidden_size, a.vocab_size
         gc = s.grad_checkpointing
+        self.steps_done += 1
+        first = self.steps_done == 1
+        tp.step(self.steps_done)
+        tp.phase("forward")
+        if self.loop == "plain":
+            # ids = torch.randint(...): the new ids exist before the old ones are dropped
+            ids = tp.new(8 * t)
+            tp.free(self.input_ids)
+            self.input_ids = ids
         self.cache: list[int] = []
         x = tp.new(e * t * h)  # embedding output
         self._workspace(0)  # the rotary embedding's matmul is the forward's first
@@ -552,6 +610,8 @@ class PeftBnbTimeline:
         xf = self._rmsnorm(last, h, t, final_sv, "final")
         if not gc:
             tp.free(x)  # the embedding output: no layer saved it, the model returns
+        tp.phase("loss")
+        tp.tag = LOGITS_LOSS
         logits = tp.new(4 * t * v)
         tp.temp(8 * t)  # padded labels
         shifted = tp.new(8 * t)
@@ -564,9 +624,11 @@ class PeftBnbTimeline:
         tp.free(shifted)
         glogits = tp.new(4 * t * v)
         tp.free(gnll, logp)
+        tp.tag = ACTIVATIONS
         gxf = tp.new(4 * t * h)
         self._workspace(1)
         tp.free(glogits)
+        tp.phase("backward")
         g = self._rmsnorm_backward(gxf, h, t, final_sv, "final", free_g=True)
         tp.free(last)
         grad: int | None = g
@@ -582,6 +644,7 @@ class PeftBnbTimeline:
             if layer > 0 or gc:
                 tp.free(inputs[layer])
         tp.free(grad, *rope)
+        tp.phase("optimizer step")
         self._optimizer(first)
 
     def _rotary_tables(self) -> list[int]:
@@ -602,9 +665,9 @@ class PeftBnbTimeline:
         if first:  # the states, made at the first step and kept
             for n in s.lora_tensors():
                 for state in optimizer_states(s.optimizer, n, self.lb):
-                    tp.new(state)
+                    tp.new(state, OPTIMIZER_STATES)
         temps = [
-            tp.new(b)
+            tp.new(b, OPTIMIZER_STATES)
             for n in s.lora_tensors()
             for b in optimizer_temporaries(s.optimizer, n, self.lb)
         ]
@@ -612,17 +675,17 @@ class PeftBnbTimeline:
         tp.free(*self.lora_grads)  # zero_grad(set_to_none=True)
         self.lora_grads = []
 
-    def events(self) -> list[Event]:
+    def events(self, steps: int = 2) -> list[Event]:
+        """Setup and `steps` training steps."""
         self.setup()
-        self.step(first=True)
-        self.tape.mark("reset_peak")
-        self.step(first=False)
+        for _ in range(steps):
+            self.step()
         return self.tape.events
 
 
-def peft_bnb_events(s: TrainingSetup) -> list[Event]:
-    """The allocator events of setup and two training steps (a reset_peak before step 2)."""
-    return PeftBnbTimeline(s).events()
+def peft_bnb_events(s: TrainingSetup, loop: str = "plain", steps: int = 2) -> list[Event]:
+    """The allocator events of setup and `steps` training steps of `loop`."""
+    return PeftBnbTimeline(s, loop).events(steps)
 
 
-__all__ = ["CUBLAS_WORKSPACE", "PeftBnbTimeline", "Tape", "peft_bnb_events"]
+__all__ = ["CUBLAS_WORKSPACE", "LOOPS", "PeftBnbTimeline", "Tape", "peft_bnb_events"]

@@ -1,0 +1,74 @@
+"""The named parts of an estimate's breakdown: every allocation of the replayed run carries one.
+
+The first nine are tensors the run allocates (`timeline` tags each allocation with one); the
+last two are what the GPU holds beyond them at the peak: the caching allocator's free blocks
+(`reserved - allocated`) and the process's memory outside the allocator (CUDA context and the
+kernel modules loaded by then, `runtime.OutsideAllocator`). They add up to `total_bytes`.
+"""
+
+from __future__ import annotations
+
+QUANTIZED_WEIGHTS = "quantized_weights"
+QUANT_CONSTANTS = "quant_constants"
+UNQUANTIZED_WEIGHTS = "unquantized_weights"
+LORA_PARAMS = "lora_params"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+LOGITS_LOSS = "logits_loss"
+RUNTIME_OVERHEAD = "runtime_overhead"
+ALLOCATOR_CACHE = "allocator_cache"
+OUTSIDE_ALLOCATOR = "outside_allocator"
+
+#: Loading's temporaries (bf16 copies before quantization, the loader's warm-up block): all
+#: freed before the first step, so never part of a step's breakdown.
+LOAD = "load"
+
+#: Parts that are tensors of the run, in display order.
+TENSOR_PARTS = (
+    QUANTIZED_WEIGHTS,
+    QUANT_CONSTANTS,
+    UNQUANTIZED_WEIGHTS,
+    LORA_PARAMS,
+    GRADIENTS,
+    OPTIMIZER_STATES,
+    ACTIVATIONS,
+    LOGITS_LOSS,
+    RUNTIME_OVERHEAD,
+)
+
+#: The components of every breakdown, in display order; they add up to `total_bytes`.
+BREAKDOWN_KEYS = (*TENSOR_PARTS, ALLOCATOR_CACHE, OUTSIDE_ALLOCATOR)
+
+#: One line per part, for help texts and docs.
+DESCRIPTIONS = {
+    QUANTIZED_WEIGHTS: "4-bit (or 8-bit) codes of the base model's linear layers",
+    QUANT_CONSTANTS: "their scales (absmax), nested scales under double quantization",
+    UNQUANTIZED_WEIGHTS: "embeddings, lm_head, norms (float32 after PEFT's up-cast)",
+    LORA_PARAMS: "the LoRA A and B matrices",
+    GRADIENTS: "gradients of the LoRA matrices",
+    OPTIMIZER_STATES: "optimizer states and the optimizer step's temporaries",
+    ACTIVATIONS: "saved activations, their gradients and the step's temporaries",
+    LOGITS_LOSS: "logits, log-softmax and their gradients, labels",
+    RUNTIME_OVERHEAD: "cuBLAS workspaces",
+    ALLOCATOR_CACHE: "free blocks the caching allocator keeps reserved at the peak",
+    OUTSIDE_ALLOCATOR: "process memory outside torch's allocator (CUDA context, kernels)",
+}
+
+__all__ = [
+    "ACTIVATIONS",
+    "ALLOCATOR_CACHE",
+    "BREAKDOWN_KEYS",
+    "DESCRIPTIONS",
+    "GRADIENTS",
+    "LOAD",
+    "LOGITS_LOSS",
+    "LORA_PARAMS",
+    "OPTIMIZER_STATES",
+    "OUTSIDE_ALLOCATOR",
+    "QUANTIZED_WEIGHTS",
+    "QUANT_CONSTANTS",
+    "RUNTIME_OVERHEAD",
+    "TENSOR_PARTS",
+    "UNQUANTIZED_WEIGHTS",
+]
