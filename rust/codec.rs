@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use crate::buffer::zeroed;
 use crate::codebook::Format;
 use crate::error::{check_len, Error, Result};
 use crate::layout::{block_count, check_blocksize};
@@ -23,12 +24,18 @@ const TASK_ELEMENTS: usize = 1 << 16;
 /// Below this many elements one thread does the whole job.
 const PARALLEL_MIN: usize = 1 << 18;
 
+/// Blocks per parallel task, for a blocksize that `check_blocksize` accepted (a power of two
+/// that divides `TASK_ELEMENTS`).
+fn scales_per_task(blocksize: usize) -> usize {
+    TASK_ELEMENTS.checked_div(blocksize).unwrap_or(1)
+}
+
 /// Quantizes `x` into freshly allocated codes and scales.
 pub fn quantize<T: SimdInput>(x: &[T], blocksize: usize, format: Format) -> Result<Quantized> {
     check_blocksize(blocksize)?;
     let mut q = Quantized {
-        codes: vec![0; format.code_bytes(x.len())],
-        absmax: vec![0.0; block_count(x.len(), blocksize)],
+        codes: zeroed(format.code_bytes(x.len()))?,
+        absmax: zeroed(block_count(x.len(), blocksize))?,
     };
     quantize_into(x, blocksize, format, &mut q.codes, &mut q.absmax)?;
     Ok(q)
@@ -50,6 +57,7 @@ pub fn quantize_into<T: SimdInput>(
         block_count(x.len(), blocksize),
         absmax.len(),
     )?;
+    let scales_per_task = scales_per_task(blocksize);
     let level = simd::level();
     let kernel = |x: &[T], c: &mut [u8], a: &mut [f32]| match format {
         Format::Nf4 => simd::quantize_nf4(level, x, blocksize, c, a),
@@ -58,12 +66,16 @@ pub fn quantize_into<T: SimdInput>(
     let bad = if x.len() < PARALLEL_MIN {
         kernel(x, codes, absmax).err()
     } else {
-        // Each task reports its first bad index; the smallest overall is the first one.
+        // Each task reports its first bad index; the smallest overall is the first one (an
+        // index into `x`, so the saturating arithmetic never saturates).
         x.par_chunks(TASK_ELEMENTS)
             .zip(codes.par_chunks_mut(format.code_bytes(TASK_ELEMENTS)))
-            .zip(absmax.par_chunks_mut(TASK_ELEMENTS / blocksize))
+            .zip(absmax.par_chunks_mut(scales_per_task))
             .enumerate()
-            .filter_map(|(t, ((x, c), a))| kernel(x, c, a).err().map(|i| t * TASK_ELEMENTS + i))
+            .filter_map(|(t, ((x, c), a))| {
+                let task_start = t.saturating_mul(TASK_ELEMENTS);
+                kernel(x, c, a).err().map(|i| task_start.saturating_add(i))
+            })
             .min()
     };
     match bad {
@@ -85,6 +97,7 @@ pub fn dequantize_into<O: SimdOutput>(
     let n = out.len();
     check_len("bytes of codes", format.code_bytes(n), codes.len())?;
     check_len("number of scales", block_count(n, blocksize), absmax.len())?;
+    let scales_per_task = scales_per_task(blocksize);
     let level = simd::level();
     let kernel = |c: &[u8], a: &[f32], o: &mut [O]| match format.bits() {
         4 => simd::dequantize_4bit(level, format, c, a, blocksize, o),
@@ -95,7 +108,7 @@ pub fn dequantize_into<O: SimdOutput>(
     } else {
         out.par_chunks_mut(TASK_ELEMENTS)
             .zip(codes.par_chunks(format.code_bytes(TASK_ELEMENTS)))
-            .zip(absmax.par_chunks(TASK_ELEMENTS / blocksize))
+            .zip(absmax.par_chunks(scales_per_task))
             .for_each(|((o, c), a)| kernel(c, a, o));
     }
     Ok(())

@@ -2,6 +2,7 @@
 //! subtract their mean, then quantize blockwise (256 scales a block) with the dynamic 8-bit
 //! map. The scales come back as `map[code] * absmax2[i / 256] + offset`.
 
+use crate::buffer::zeroed;
 use crate::codebook::Format;
 use crate::codec;
 use crate::error::{Error, Result};
@@ -30,14 +31,20 @@ pub fn mean(values: &[f32]) -> f32 {
 
 /// Compresses per-block scales.
 pub fn quantize(absmax: &[f32]) -> Result<Nested> {
-    if let Some(i) = absmax.iter().position(|a| !(a.is_finite() && *a >= 0.0)) {
+    let bad = absmax.iter().enumerate();
+    if let Some((i, a)) = bad
+        .into_iter()
+        .find(|(_, a)| !(a.is_finite() && **a >= 0.0))
+    {
         return Err(Error::InvalidArgument(format!(
-            "scale {i} is {}; scales must be finite and >= 0",
-            absmax[i]
+            "scale {i} is {a}; scales must be finite and >= 0"
         )));
     }
     let offset = mean(absmax);
-    let centered: Vec<f32> = absmax.iter().map(|&a| a - offset).collect();
+    let mut centered = zeroed(absmax.len())?;
+    for (c, &a) in centered.iter_mut().zip(absmax) {
+        *c = a - offset;
+    }
     let q = codec::quantize(&centered, NESTED_BLOCKSIZE, Format::Dynamic8)?;
     Ok(Nested {
         codes: q.codes,
@@ -49,7 +56,12 @@ pub fn quantize(absmax: &[f32]) -> Result<Nested> {
 /// The scales back: `map[code] * absmax2[i / 256] + offset`, two f32 roundings (no fused
 /// multiply-add, as bitsandbytes computes it).
 pub fn dequantize(codes: &[u8], absmax2: &[f32], offset: f32) -> Result<Vec<f32>> {
-    let mut out = vec![0.0f32; codes.len()];
+    if !offset.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "offset is {offset}; expected a finite mean of the scales"
+        )));
+    }
+    let mut out = zeroed(codes.len())?;
     codec::dequantize_into(codes, absmax2, NESTED_BLOCKSIZE, Format::Dynamic8, &mut out)?;
     for v in &mut out {
         *v += offset;
@@ -93,5 +105,13 @@ mod tests {
     fn bad_scales_are_rejected() {
         assert!(quantize(&[1.0, f32::NAN]).is_err());
         assert!(quantize(&[-1.0]).is_err());
+    }
+
+    #[test]
+    fn a_non_finite_offset_is_rejected() {
+        let n = quantize(&[0.5; 10]).unwrap();
+        for offset in [f32::NAN, f32::INFINITY] {
+            assert!(dequantize(&n.codes, &n.absmax2, offset).is_err());
+        }
     }
 }

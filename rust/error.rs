@@ -14,6 +14,8 @@ pub enum Error {
         expected: usize,
         got: usize,
     },
+    /// A buffer of this many bytes could not be allocated.
+    OutOfMemory { bytes: usize },
 }
 
 impl fmt::Display for Error {
@@ -32,6 +34,9 @@ impl fmt::Display for Error {
                 got,
             } => {
                 write!(f, "{what}: expected {expected}, got {got}")
+            }
+            Error::OutOfMemory { bytes } => {
+                write!(f, "cannot allocate a buffer of {bytes} bytes")
             }
         }
     }
@@ -52,4 +57,12 @@ pub fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> 
             got,
         })
     }
+}
+
+/// `a * b`, or an error naming `what` when the product does not fit in a `usize` (sizes
+/// from Python are arbitrary integers: their products must never wrap).
+pub fn checked_mul(what: &str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: {a} x {b} does not fit in a 64-bit size"))
+    })
 }

@@ -1,7 +1,8 @@
 //! Where codes sit in memory: the nibble order of packed 4-bit codes, blocksize rules,
 //! and the 36-byte GPU block layout.
 
-use crate::error::{check_len, Error, Result};
+use crate::buffer::zeroed;
+use crate::error::{check_len, checked_mul, Error, Result};
 
 /// Packs two 4-bit codes into one byte: element 2k in the low nibble, 2k+1 in the high one.
 #[inline(always)]
@@ -9,8 +10,10 @@ pub fn pack(even: u8, odd: u8) -> u8 {
     even | (odd << 4)
 }
 
-/// The code of element `i` in a packed buffer.
+/// The code of element `i` in a packed buffer. For the kernels, whose callers checked that
+/// `codes` holds `ceil(n / 2)` bytes for their `n` elements (`i < n`).
 #[inline(always)]
+#[allow(clippy::indexing_slicing, clippy::arithmetic_side_effects)]
 pub fn code_at(codes: &[u8], i: usize) -> u8 {
     (codes[i / 2] >> ((i % 2) * 4)) & 0x0F
 }
@@ -59,19 +62,29 @@ pub fn to_blocks36(codes: &[u8], absmax: &[f32], n: usize, pad_code: u8) -> Resu
     let nblocks = block_count(n, BLOCK36_VALUES);
     check_len("number of scales", nblocks, absmax.len())?;
     check_len("bytes of codes", n.div_ceil(2), codes.len())?;
-    let mut out = vec![0u8; nblocks * BLOCK36_BYTES];
+    let mut out = zeroed(checked_mul(
+        "bytes of 36-byte blocks",
+        nblocks,
+        BLOCK36_BYTES,
+    )?)?;
     let pad = pack(pad_code, pad_code);
-    for (i, block) in out.chunks_exact_mut(BLOCK36_BYTES).enumerate() {
-        block[..4].copy_from_slice(&absmax[i].to_le_bytes());
-        let src = &codes[i * 32..codes.len().min((i + 1) * 32)];
-        block[4..4 + src.len()].copy_from_slice(src);
-        block[4 + src.len()..].fill(pad);
+    // `codes` has `ceil(n / 2)` bytes, so its chunks of 32 are exactly the `nblocks` blocks.
+    let blocks = out.chunks_exact_mut(BLOCK36_BYTES).zip(absmax);
+    for ((block, a), src) in blocks.zip(codes.chunks(BLOCK36_VALUES / 2)) {
+        // A 36-byte chunk: 4 bytes of scale, then 32 of codes, `src` has 1 to 32 of them.
+        let (scale, packed) = block.split_at_mut(4);
+        scale.copy_from_slice(&a.to_le_bytes());
+        let (filled, padding) = packed.split_at_mut(src.len());
+        filled.copy_from_slice(src);
+        padding.fill(pad);
     }
     if n % 2 == 1 {
-        // The odd element's partner nibble is padding too.
-        let last = (n / 2) % 32;
-        let block = &mut out[(nblocks - 1) * BLOCK36_BYTES..];
-        block[4 + last] = pack(block[4 + last] & 0x0F, pad_code);
+        // The odd element's partner nibble (the high one of the last code byte) is padding.
+        let last_block = out.chunks_exact_mut(BLOCK36_BYTES).last();
+        let packed = last_block.and_then(|block| block.get_mut(4..));
+        if let Some(byte) = packed.and_then(|p| p.get_mut((n / 2) % (BLOCK36_VALUES / 2))) {
+            *byte = pack(*byte & 0x0F, pad_code);
+        }
     }
     Ok(out)
 }
@@ -81,28 +94,54 @@ pub fn from_blocks36(buf: &[u8], n: usize) -> Result<(Vec<u8>, Vec<f32>)> {
     let nblocks = block_count(n, BLOCK36_VALUES);
     check_len(
         "length of the 36-byte block buffer",
-        nblocks * BLOCK36_BYTES,
+        checked_mul("bytes of 36-byte blocks", nblocks, BLOCK36_BYTES)?,
         buf.len(),
     )?;
-    let mut codes = Vec::with_capacity(nblocks * 32);
-    let mut absmax = Vec::with_capacity(nblocks);
-    for (i, block) in buf.chunks_exact(BLOCK36_BYTES).enumerate() {
-        let a = f32::from_le_bytes(block[..4].try_into().expect("4 bytes"));
-        if !(a.is_finite() && a >= 0.0) {
+    let mut codes = zeroed(n.div_ceil(2))?;
+    let mut absmax = zeroed(nblocks)?;
+    // `codes` has `ceil(n / 2)` bytes: its chunks of 32 are the blocks' codes, the last one
+    // perhaps shorter (the padding stays behind).
+    let blocks = buf.chunks_exact(BLOCK36_BYTES).zip(absmax.iter_mut());
+    for (i, ((block, a), dst)) in blocks.zip(codes.chunks_mut(BLOCK36_VALUES / 2)).enumerate() {
+        // A 36-byte chunk: 4 bytes of scale, then 32 of codes (at least `dst.len()`).
+        let (scale, packed) = block.split_at(4);
+        let (Ok(scale), Some(packed)) = (scale.try_into(), packed.get(..dst.len())) else {
+            return Err(Error::InvalidArgument(format!("block {i} is short")));
+        };
+        *a = f32::from_le_bytes(scale);
+        if !(a.is_finite() && *a >= 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "block {i} of the 36-byte buffer has absmax {a}; expected a finite value >= 0"
             )));
         }
-        absmax.push(a);
-        codes.extend_from_slice(&block[4..]);
+        dst.copy_from_slice(packed);
     }
-    codes.truncate(n.div_ceil(2));
     Ok((codes, absmax))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks36_sizes_that_overflow_are_errors() {
+        for n in [usize::MAX, 1 << 63, usize::MAX / 2] {
+            assert!(from_blocks36(&[0u8; 36], n).is_err(), "{n}");
+            assert!(to_blocks36(&[0u8; 32], &[1.0], n, 7).is_err(), "{n}");
+        }
+    }
+
+    #[test]
+    fn blocks36_rejects_bad_scales() {
+        let mut buf = [0u8; 36];
+        for bad in [f32::NAN, f32::INFINITY, -1.0] {
+            buf[..4].copy_from_slice(&bad.to_le_bytes());
+            assert!(matches!(
+                from_blocks36(&buf, 64),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
 
     #[test]
     fn nibble_order_is_low_first() {

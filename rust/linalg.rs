@@ -3,7 +3,7 @@
 
 use gemm::Parallelism;
 
-use crate::error::{Error, Result};
+use crate::error::{check_len, Error, Result};
 
 /// A read-only strided matrix: element (i, j) is `data[offset + i*rs + j*cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -41,23 +41,144 @@ impl<'a> MatRef<'a> {
     }
 
     /// Rows `start..start+len` (no copy).
-    pub fn rows(self, start: usize, len: usize) -> MatRef<'a> {
-        assert!(start + len <= self.rows);
-        MatRef {
+    pub fn rows(self, start: usize, len: usize) -> Result<MatRef<'a>> {
+        let offset = sub_view("rows", self.rows, start, len, self.offset, self.row_stride)?;
+        Ok(MatRef {
             rows: len,
-            offset: (self.offset as isize + start as isize * self.row_stride) as usize,
+            offset,
             ..self
-        }
+        })
     }
 
     /// Columns `start..start+len` (no copy).
-    pub fn cols(self, start: usize, len: usize) -> MatRef<'a> {
-        assert!(start + len <= self.cols);
-        MatRef {
+    pub fn cols(self, start: usize, len: usize) -> Result<MatRef<'a>> {
+        let offset = sub_view(
+            "columns",
+            self.cols,
+            start,
+            len,
+            self.offset,
+            self.col_stride,
+        )?;
+        Ok(MatRef {
             cols: len,
-            offset: (self.offset as isize + start as isize * self.col_stride) as usize,
+            offset,
             ..self
+        })
+    }
+
+    /// Checks that every element lies inside `data`.
+    pub fn check(&self, what: &str) -> Result<()> {
+        check_extent(
+            what,
+            self.data.len(),
+            self.rows,
+            self.cols,
+            self.row_stride,
+            self.col_stride,
+            self.offset,
+        )
+    }
+
+    /// Appends the elements row by row to `out`.
+    pub fn extend_row_major(&self, out: &mut Vec<f32>) -> Result<()> {
+        self.check("matrix")?;
+        let count = self.rows.saturating_mul(self.cols);
+        out.try_reserve(count).map_err(|_| Error::OutOfMemory {
+            bytes: count.saturating_mul(std::mem::size_of::<f32>()),
+        })?;
+        let before = out.len();
+        for i in 0..self.rows {
+            // In range: `check` bounds every element, and these are elements.
+            let start = element_index(self.offset, i, 0, self.row_stride, self.col_stride);
+            let row = start.and_then(|s| self.data.get(s..)).unwrap_or_default();
+            match usize::try_from(self.col_stride) {
+                Ok(0) => out.extend(row.iter().take(1).cycle().take(self.cols)),
+                Ok(step) => out.extend(row.iter().step_by(step).take(self.cols)),
+                Err(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "a matrix with column stride {} cannot be read row by row",
+                        self.col_stride
+                    )))
+                }
+            }
         }
+        // `check` passed, so every row was whole; this only keeps a broken invariant visible.
+        let copied = out.len().saturating_sub(before);
+        check_len("elements copied", count, copied)
+    }
+}
+
+/// The offset of the sub-view `start..start+len` along an axis of `size` elements.
+fn sub_view(
+    axis: &str,
+    size: usize,
+    start: usize,
+    len: usize,
+    offset: usize,
+    stride: isize,
+) -> Result<usize> {
+    let fits = start.checked_add(len).is_some_and(|end| end <= size);
+    let moved = isize::try_from(start)
+        .ok()
+        .and_then(|s| s.checked_mul(stride))
+        .and_then(|d| offset.checked_add_signed(d));
+    match moved {
+        Some(offset) if fits => Ok(offset),
+        _ => Err(Error::InvalidArgument(format!(
+            "{axis} {start}..{start}+{len} of a view with {size} {axis}"
+        ))),
+    }
+}
+
+/// `offset + i*rs + j*cs` as an index, if it is one (no overflow, not negative).
+fn element_index(offset: usize, i: usize, j: usize, rs: isize, cs: isize) -> Option<usize> {
+    let di = isize::try_from(i).ok()?.checked_mul(rs)?;
+    let dj = isize::try_from(j).ok()?.checked_mul(cs)?;
+    offset.checked_add_signed(di.checked_add(dj)?)
+}
+
+/// A writable strided matrix: element (i, j) is `data[offset + i*rs + j*cs]`.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    pub data: &'a mut [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: isize,
+    pub col_stride: isize,
+    pub offset: usize,
+}
+
+impl<'a> MatMut<'a> {
+    pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> MatMut<'a> {
+        MatMut {
+            data,
+            rows,
+            cols,
+            row_stride: cols as isize,
+            col_stride: 1,
+            offset: 0,
+        }
+    }
+
+    /// Columns `start..start+len`, borrowing this view.
+    pub fn cols_mut(&mut self, start: usize, len: usize) -> Result<MatMut<'_>> {
+        let offset = sub_view(
+            "columns",
+            self.cols,
+            start,
+            len,
+            self.offset,
+            self.col_stride,
+        )?;
+        Ok(MatMut {
+            data: &mut *self.data,
+            rows: self.rows,
+            cols: len,
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+            offset,
+        })
     }
 
     fn check(&self, what: &str) -> Result<()> {
@@ -73,42 +194,8 @@ impl<'a> MatRef<'a> {
     }
 }
 
-/// A writable strided matrix.
-#[derive(Debug)]
-pub struct MatMut<'a> {
-    pub data: &'a mut [f32],
-    pub rows: usize,
-    pub cols: usize,
-    pub row_stride: isize,
-    pub col_stride: isize,
-}
-
-impl<'a> MatMut<'a> {
-    pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> MatMut<'a> {
-        MatMut {
-            data,
-            rows,
-            cols,
-            row_stride: cols as isize,
-            col_stride: 1,
-        }
-    }
-
-    /// Columns `start..start+len`, borrowing this view.
-    pub fn cols_mut(&mut self, start: usize, len: usize) -> MatMut<'_> {
-        assert!(start + len <= self.cols);
-        let skip = start * self.col_stride as usize;
-        MatMut {
-            data: &mut self.data[skip..],
-            rows: self.rows,
-            cols: len,
-            row_stride: self.row_stride,
-            col_stride: self.col_stride,
-        }
-    }
-}
-
-/// Checks that every element of a strided view lies inside a buffer of `len` elements.
+/// Checks that every element of a strided view lies inside a buffer of `len` elements (an
+/// empty view fits anywhere).
 fn check_extent(
     what: &str,
     len: usize,
@@ -118,22 +205,20 @@ fn check_extent(
     cs: isize,
     offset: usize,
 ) -> Result<()> {
-    if rows == 0 || cols == 0 {
+    let (Some(last_row), Some(last_col)) = (rows.checked_sub(1), cols.checked_sub(1)) else {
         return Ok(());
-    }
-    let corner = |i: usize, j: usize| offset as isize + i as isize * rs + j as isize * cs;
-    let ends = [
-        corner(0, 0),
-        corner(rows - 1, 0),
-        corner(0, cols - 1),
-        corner(rows - 1, cols - 1),
-    ];
-    let (lo, hi) = (ends.iter().min().copied(), ends.iter().max().copied());
-    match (lo, hi) {
-        (Some(lo), Some(hi)) if lo >= 0 && (hi as usize) < len => Ok(()),
-        _ => Err(Error::InvalidArgument(format!(
-            "{what}: a {rows}x{cols} view with strides ({rs}, {cs}) does not fit in {len} elements"
-        ))),
+    };
+    // The extreme elements are at the corners; every corner must be an index below `len`.
+    let corners = [(0, 0), (last_row, 0), (0, last_col), (last_row, last_col)];
+    let inside = corners
+        .iter()
+        .all(|&(i, j)| element_index(offset, i, j, rs, cs).is_some_and(|e| e < len));
+    if inside {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{what}: a {rows}x{cols} view with strides ({rs}, {cs}) at offset {offset} does not fit in {len} elements"
+        )))
     }
 }
 
@@ -153,15 +238,7 @@ pub fn matmul(
     }
     a.check("left operand")?;
     b.check("right operand")?;
-    check_extent(
-        "output",
-        c.data.len(),
-        c.rows,
-        c.cols,
-        c.row_stride,
-        c.col_stride,
-        0,
-    )?;
+    c.check("output")?;
     if c.rows == 0 || c.cols == 0 {
         return Ok(());
     }
@@ -171,14 +248,15 @@ pub fn matmul(
         }
         return Ok(());
     }
-    // SAFETY: the extents of all three views were checked against their buffers above; `c`
-    // is borrowed mutably, so it cannot overlap the shared borrows `a` and `b`.
+    // SAFETY: the extents of all three views were checked against their buffers above (so
+    // the offsets are in bounds); `c` is borrowed mutably, so it cannot overlap the shared
+    // borrows `a` and `b`.
     unsafe {
         gemm::gemm(
             c.rows,
             c.cols,
             a.cols,
-            c.data.as_mut_ptr(),
+            c.data.as_mut_ptr().add(c.offset),
             c.col_stride,
             c.row_stride,
             accumulate,
@@ -193,17 +271,20 @@ pub fn matmul(
             false,
             false,
             false,
-            parallelism(c.rows * c.cols * a.cols),
+            parallelism(c.rows.saturating_mul(c.cols).saturating_mul(a.cols)),
         );
     }
     Ok(())
 }
 
+/// Sets every element of a checked view.
 fn fill(c: &mut MatMut<'_>, value: f32) {
     for i in 0..c.rows {
         for j in 0..c.cols {
-            let at = i as isize * c.row_stride + j as isize * c.col_stride;
-            c.data[at as usize] = value;
+            let at = element_index(c.offset, i, j, c.row_stride, c.col_stride);
+            if let Some(e) = at.and_then(|at| c.data.get_mut(at)) {
+                *e = value;
+            }
         }
     }
 }
@@ -220,6 +301,78 @@ fn parallelism(work: usize) -> Parallelism {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sub_views_out_of_range_or_overflowing_are_errors() {
+        let a = [0.0f32; 6];
+        let m = MatRef::row_major(&a, 2, 3);
+        assert_eq!(m.rows(1, 1).unwrap().offset, 3);
+        assert_eq!(m.cols(2, 1).unwrap().offset, 2);
+        assert!(m.rows(1, 2).is_err());
+        assert!(m.cols(usize::MAX, 2).is_err());
+        let huge = MatRef {
+            rows: usize::MAX,
+            row_stride: isize::MAX,
+            ..m
+        };
+        assert!(huge.rows(3, 1).is_err(), "the offset overflows");
+        let mut c = [0.0f32; 6];
+        let mut out = MatMut::row_major(&mut c, 2, 3);
+        assert_eq!(out.cols_mut(1, 2).unwrap().offset, 1);
+        assert!(out.cols_mut(2, 2).is_err());
+    }
+
+    #[test]
+    fn column_blocks_of_an_empty_output_write_nothing() {
+        // A [0 x 32] output split into column blocks: no element, no slice to cut.
+        let mut c: [f32; 0] = [];
+        let mut out = MatMut::row_major(&mut c, 0, 32);
+        let mut block = out.cols_mut(8, 8).unwrap();
+        let x = MatRef::row_major(&[], 0, 4);
+        let w = [1.0f32; 32];
+        matmul(&mut block, x, MatRef::row_major(&w, 4, 8), 1.0, false).unwrap();
+    }
+
+    #[test]
+    fn views_whose_corners_overflow_do_not_fit() {
+        let a = [0.0f32; 4];
+        let v = MatRef {
+            data: &a,
+            rows: 2,
+            cols: 2,
+            row_stride: isize::MAX,
+            col_stride: isize::MAX,
+            offset: 0,
+        };
+        assert!(v.check("v").is_err());
+        let negative = MatRef {
+            row_stride: -1,
+            ..MatRef::row_major(&a, 2, 2)
+        };
+        assert!(negative.check("v").is_err(), "row 1 is before the buffer");
+    }
+
+    #[test]
+    fn row_major_copies_follow_strides_including_zero_ones() {
+        let a: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let mut out = Vec::new();
+        MatRef::row_major(&a, 3, 4)
+            .t()
+            .extend_row_major(&mut out)
+            .unwrap();
+        assert_eq!(out, [0., 4., 8., 1., 5., 9., 2., 6., 10., 3., 7., 11.]);
+        out.clear();
+        let broadcast = MatRef {
+            data: &a[..1],
+            rows: 2,
+            cols: 3,
+            row_stride: 0,
+            col_stride: 0,
+            offset: 0,
+        };
+        broadcast.extend_row_major(&mut out).unwrap();
+        assert_eq!(out, [0.0; 6]);
+    }
 
     fn naive(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f64> {
         let at = |m: MatRef<'_>, i: usize, j: usize| {

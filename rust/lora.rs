@@ -1,6 +1,7 @@
 //! LoRA-specific products: the DoRA row norms `||W + s·B·A||` per output row, computed a
 //! tile of rows at a time so a quantized W is never held whole in f32.
 
+use crate::buffer::zeroed;
 use crate::error::{Error, Result};
 use crate::linalg::{matmul, MatMut, MatRef};
 use crate::qmatmul::QuantizedMatrix;
@@ -22,15 +23,23 @@ impl Weight<'_> {
         }
     }
 
+    /// Checks that the weight's storage holds its shape.
+    fn check(&self) -> Result<()> {
+        match self {
+            Weight::Dense(w) => w.check("W"),
+            Weight::Quantized(w) => w.check(),
+        }
+    }
+
     fn for_each_tile(&self, mut f: impl FnMut(usize, MatRef<'_>) -> Result<()>) -> Result<()> {
         match self {
             Weight::Quantized(w) => w.for_each_tile(f),
             Weight::Dense(w) => {
                 let mut r0 = 0;
                 while r0 < w.rows {
-                    let len = DENSE_TILE_ROWS.min(w.rows - r0);
-                    f(r0, w.rows(r0, len))?;
-                    r0 += len;
+                    let len = DENSE_TILE_ROWS.min(w.rows.saturating_sub(r0));
+                    f(r0, w.rows(r0, len)?)?;
+                    r0 = r0.saturating_add(len); // r0 + len <= rows
                 }
                 Ok(())
             }
@@ -52,21 +61,23 @@ pub fn dora_row_norms(
             b.rows, b.cols, a.rows, a.cols
         )));
     }
-    let mut norms = vec![0.0f32; rows];
+    w.check()?;
+    b.check("B")?;
+    a.check("A")?;
+    // The norm of an empty row is 0; `rows` may be large with nothing behind it (cols == 0).
+    let mut norms = zeroed(rows)?;
+    if cols == 0 {
+        return Ok(norms);
+    }
     let mut buf: Vec<f32> = Vec::new();
     w.for_each_tile(|r0, tile| {
         buf.clear();
-        for i in 0..tile.rows {
-            buf.extend((0..cols).map(|j| {
-                tile.data[(tile.offset as isize
-                    + i as isize * tile.row_stride
-                    + j as isize * tile.col_stride) as usize]
-            }));
-        }
+        tile.extend_row_major(&mut buf)?;
         let mut t = MatMut::row_major(&mut buf, tile.rows, cols);
-        matmul(&mut t, b.rows(r0, tile.rows), a, scale, true)?;
-        for (i, row) in buf.chunks_exact(cols.max(1)).enumerate().take(tile.rows) {
-            norms[r0 + i] = row
+        matmul(&mut t, b.rows(r0, tile.rows)?, a, scale, true)?;
+        let tile_norms = norms.iter_mut().skip(r0).take(tile.rows);
+        for (norm, row) in tile_norms.zip(buf.chunks_exact(cols)) {
+            *norm = row
                 .iter()
                 .map(|&v| (v as f64) * (v as f64))
                 .sum::<f64>()
@@ -82,6 +93,41 @@ mod tests {
     use super::*;
     use crate::codebook::Format;
     use crate::codec;
+
+    #[test]
+    fn weights_without_columns_have_zero_norms_and_impossible_outputs_are_errors() {
+        let w = Weight::Dense(MatRef::row_major(&[], 5, 0));
+        let norms = dora_row_norms(
+            &w,
+            MatRef::row_major(&[1.0; 10], 5, 2),
+            MatRef::row_major(&[], 2, 0),
+            1.0,
+        )
+        .unwrap();
+        assert_eq!(norms, [0.0; 5]);
+        // 2^60 rows of nothing: the output alone cannot be allocated.
+        let rows = 1usize << 60;
+        let w = Weight::Dense(MatRef::row_major(&[], rows, 0));
+        let b = MatRef::row_major(&[], rows, 0);
+        let r = dora_row_norms(&w, b, MatRef::row_major(&[], 0, 0), 1.0);
+        assert!(matches!(r, Err(Error::OutOfMemory { .. })));
+    }
+
+    #[test]
+    fn a_dense_weight_that_does_not_fit_its_buffer_is_an_error() {
+        let data = [1.0f32; 5];
+        let w = Weight::Dense(MatRef {
+            data: &data,
+            ..MatRef::row_major(&data, 2, 3)
+        });
+        let r = dora_row_norms(
+            &w,
+            MatRef::row_major(&[0.0; 2], 2, 1),
+            MatRef::row_major(&[0.0; 3], 1, 3),
+            1.0,
+        );
+        assert!(r.is_err());
+    }
 
     #[test]
     fn norms_match_a_direct_computation_for_dense_and_quantized_weights() {

@@ -1,12 +1,20 @@
 //! The Python binding (`nybble._core`): converts arrays, releases the GIL around the work,
 //! and maps core errors to Python exceptions. No logic of its own lives here.
+//!
+//! No input from Python may panic or abort: every argument is checked before the core sees
+//! it (sizes as `Size`, arrays for dtype, alignment and layout) and the core checks sizes
+//! with checked arithmetic and allocates outputs fallibly (see `lib.rs` for the lints that
+//! hold the crate to this). Arrays are read and written with the GIL released, so another
+//! Python thread may write them meanwhile; the kernels never derive an index or a length from
+//! an element's value, so such a race gives a result or an error, never a panic.
 
 use half::slice::HalfBitsSliceExt;
 use half::{bf16, f16};
 use numpy::{
-    IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1, PyReadwriteArray2,
+    IntoPyArray, PyArray1, PyReadonlyArray1, PyReadonlyArray2, PyReadwriteArray1,
+    PyReadwriteArray2, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyMemoryError, PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::codebook::Format;
@@ -20,6 +28,7 @@ impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
         match e {
             Error::NonFinite { index } => Python::attach(|py| non_finite_error(py, index)),
+            Error::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
             other => PyValueError::new_err(other.to_string()),
         }
     }
@@ -51,9 +60,56 @@ fn parse_format(name: &str) -> PyResult<Format> {
     })
 }
 
+/// A size or count from Python: a non-negative integer that fits in a `usize`. PyO3 would
+/// raise OverflowError for a negative or huge one; this raises ValueError (PyO3 adds a note
+/// naming the argument).
+#[derive(Clone, Copy, Debug)]
+struct Size(usize);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Size {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<usize>() {
+            Ok(n) => Ok(Size(n)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                Err(PyValueError::new_err(format!(
+                    "expected a size from 0 to {}, got {}",
+                    usize::MAX,
+                    obj.to_owned()
+                )))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A float argument (`alpha`, `scale`, `offset`): finite once rounded to f32. An int too
+/// large for a float is a ValueError, as is NaN or inf (they would only make every output
+/// NaN or inf).
+#[derive(Clone, Copy, Debug)]
+struct Finite(f32);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Finite {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let bad =
+            || PyValueError::new_err(format!("expected a finite float32, got {}", obj.to_owned()));
+        match obj.extract::<f64>() {
+            Ok(v) if (v as f32).is_finite() => Ok(Finite(v as f32)),
+            Ok(_) => Err(bad()),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Err(bad()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// A 1-D array's elements as a slice (it must be contiguous; numpy's `aligned` flag is
+/// checked by `as_slice`).
 fn slice<'a, T: numpy::Element>(a: &'a PyReadonlyArray1<'_, T>, what: &str) -> PyResult<&'a [T]> {
     a.as_slice()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be C-contiguous")))
+        .map_err(|_| PyValueError::new_err(format!("{what} must be C-contiguous and aligned")))
 }
 
 /// A flat input array: f32, f64, or 16-bit floats passed as their uint16 bits.
@@ -76,11 +132,12 @@ fn into_pair(py: Python<'_>, q: codec::Quantized) -> Pair<'_> {
 fn quantize<'py>(
     py: Python<'py>,
     x: FloatArray<'py>,
-    blocksize: usize,
+    blocksize: Size,
     codebook: &str,
     bits16: Option<&str>,
 ) -> PyResult<Pair<'py>> {
     let format = parse_format(codebook)?;
+    let Size(blocksize) = blocksize;
     let q = match &x {
         FloatArray::F32(a) => {
             let s = slice(a, "x")?;
@@ -123,14 +180,15 @@ fn dequantize_into<'py>(
     py: Python<'py>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax: PyReadonlyArray1<'py, f32>,
-    blocksize: usize,
+    blocksize: Size,
     codebook: &str,
     mut out: FloatArrayMut<'py>,
     bits16: Option<&str>,
 ) -> PyResult<()> {
     let format = parse_format(codebook)?;
+    let Size(blocksize) = blocksize;
     let (c, a) = (slice(&codes, "codes")?, slice(&absmax, "absmax")?);
-    let not_contiguous = || PyValueError::new_err("out must be C-contiguous");
+    let not_contiguous = || PyValueError::new_err("out must be C-contiguous and aligned");
     match &mut out {
         FloatArrayMut::F32(o) => {
             let o = o.as_slice_mut().map_err(|_| not_contiguous())?;
@@ -166,10 +224,18 @@ fn to_blocks36<'py>(
     py: Python<'py>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax: PyReadonlyArray1<'py, f32>,
-    n: usize,
+    n: Size,
     codebook: &str,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
-    let pad = parse_format(codebook)?.zero_code();
+    let format = parse_format(codebook)?;
+    if format.bits() != 4 {
+        return Err(PyValueError::new_err(format!(
+            "the 36-byte block layout holds 4-bit codes; codebook {:?} has {}-bit codes",
+            format.name(),
+            format.bits()
+        )));
+    }
+    let (pad, Size(n)) = (format.zero_code(), n);
     let (c, a) = (slice(&codes, "codes")?, slice(&absmax, "absmax")?);
     Ok(py
         .detach(|| layout::to_blocks36(c, a, n, pad))?
@@ -181,31 +247,50 @@ fn to_blocks36<'py>(
 fn from_blocks36<'py>(
     py: Python<'py>,
     buf: PyReadonlyArray1<'py, u8>,
-    n: usize,
+    n: Size,
 ) -> PyResult<Pair<'py>> {
-    let b = slice(&buf, "buf")?;
+    let (b, Size(n)) = (slice(&buf, "buf")?, n);
     let (codes, absmax) = py.detach(|| layout::from_blocks36(b, n))?;
     Ok(into_pair(py, codec::Quantized { codes, absmax }))
 }
 
 /// A read-only strided view of a 2-D array (strides in elements, non-negative).
 fn mat_ref<'a>(a: &'a PyReadonlyArray2<'_, f32>, what: &str) -> PyResult<MatRef<'a>> {
+    // numpy's `aligned` flag also says every stride is a whole number of elements.
+    if !a.is_aligned() {
+        return Err(PyValueError::new_err(format!("{what} must be aligned")));
+    }
     let v = a.as_array();
     let (rows, cols) = v.dim();
-    let (rs, cs) = (v.strides()[0], v.strides()[1]);
+    let &[rs, cs] = v.strides() else {
+        return Err(PyValueError::new_err(format!("{what} must be 2-D")));
+    };
     if rs < 0 || cs < 0 {
         return Err(PyValueError::new_err(format!(
             "{what} has negative strides"
         )));
     }
-    let extent = if rows * cols == 0 {
-        0
-    } else {
-        (rows - 1) * rs as usize + (cols - 1) * cs as usize + 1
+    // One past the last element; no overflow for an array numpy holds in memory.
+    let extent = match (rows.checked_sub(1), cols.checked_sub(1)) {
+        (Some(last_row), Some(last_col)) => last_row
+            .checked_mul(rs.unsigned_abs())
+            .zip(last_col.checked_mul(cs.unsigned_abs()))
+            .and_then(|(r, c)| r.checked_add(c)?.checked_add(1)),
+        _ => Some(0),
     };
-    // SAFETY: every element of the view lies in `[ptr, ptr + extent)`, all inside the one
-    // buffer numpy allocated for the array's base, which stays borrowed for `'a`.
-    let data = unsafe { std::slice::from_raw_parts(v.as_ptr(), extent) };
+    let Some(extent) = extent else {
+        return Err(PyValueError::new_err(format!(
+            "{what}: a {rows}x{cols} view with strides ({rs}, {cs}) spans more than 2**64 elements"
+        )));
+    };
+    let data = if extent == 0 {
+        &[]
+    } else {
+        // SAFETY: the pointer is aligned (checked above) and every element of the view lies
+        // in `[ptr, ptr + extent)`, all inside the one buffer numpy allocated for the array's
+        // base, which stays borrowed for `'a`.
+        unsafe { std::slice::from_raw_parts(v.as_ptr(), extent) }
+    };
     Ok(MatRef {
         data,
         rows,
@@ -216,26 +301,32 @@ fn mat_ref<'a>(a: &'a PyReadonlyArray2<'_, f32>, what: &str) -> PyResult<MatRef<
     })
 }
 
-/// A writable C-contiguous 2-D array.
+/// A writable C-contiguous 2-D array (a Fortran-ordered one is refused, not misread).
 fn mat_mut<'a>(a: &'a mut PyReadwriteArray2<'_, f32>) -> PyResult<MatMut<'a>> {
     let (rows, cols) = a.as_array().dim();
-    let data = a
-        .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+    let not_contiguous = || PyValueError::new_err("out must be C-contiguous and aligned");
+    if !a.is_c_contiguous() {
+        return Err(not_contiguous());
+    }
+    let data = a.as_slice_mut().map_err(|_| not_contiguous())?;
     Ok(MatMut::row_major(data, rows, cols))
 }
 
 /// `out = alpha * a @ b` (or `out += ...` when `accumulate`), f32, any input strides.
 #[pyfunction]
-#[pyo3(signature = (a, b, out, alpha = 1.0, accumulate = false))]
+#[pyo3(
+    signature = (a, b, out, alpha = Finite(1.0), accumulate = false),
+    text_signature = "(a, b, out, alpha=1.0, accumulate=False)"
+)]
 fn matmul<'py>(
     py: Python<'py>,
     a: PyReadonlyArray2<'py, f32>,
     b: PyReadonlyArray2<'py, f32>,
     mut out: PyReadwriteArray2<'py, f32>,
-    alpha: f32,
+    alpha: Finite,
     accumulate: bool,
 ) -> PyResult<()> {
+    let Finite(alpha) = alpha;
     let (a, b) = (mat_ref(&a, "a")?, mat_ref(&b, "b")?);
     let mut c = mat_mut(&mut out)?;
     py.detach(|| linalg::matmul(&mut c, a, b, alpha, accumulate))?;
@@ -246,16 +337,16 @@ fn matmul<'py>(
 fn quantized<'a>(
     codes: &'a PyReadonlyArray1<'_, u8>,
     absmax: &'a PyReadonlyArray1<'_, f32>,
-    shape: (usize, usize),
-    blocksize: usize,
+    shape: (Size, Size),
+    blocksize: Size,
     codebook: &str,
 ) -> PyResult<QuantizedMatrix<'a>> {
     Ok(QuantizedMatrix {
         codes: slice(codes, "codes")?,
         absmax: slice(absmax, "absmax")?,
-        rows: shape.0,
-        cols: shape.1,
-        blocksize,
+        rows: shape.0 .0,
+        cols: shape.1 .0,
+        blocksize: blocksize.0,
         format: parse_format(codebook)?,
     })
 }
@@ -263,21 +354,25 @@ fn quantized<'a>(
 /// `out = alpha * x @ W^T` (or `x @ W` when `transpose` is false) for a quantized W of
 /// `shape` [rows, cols], dequantized a few rows at a time.
 #[pyfunction]
-#[pyo3(signature = (x, codes, absmax, shape, blocksize, codebook, out, transpose = true, alpha = 1.0, accumulate = false))]
+#[pyo3(
+    signature = (x, codes, absmax, shape, blocksize, codebook, out, transpose = true, alpha = Finite(1.0), accumulate = false),
+    text_signature = "(x, codes, absmax, shape, blocksize, codebook, out, transpose=True, alpha=1.0, accumulate=False)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn qmatmul<'py>(
     py: Python<'py>,
     x: PyReadonlyArray2<'py, f32>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax: PyReadonlyArray1<'py, f32>,
-    shape: (usize, usize),
-    blocksize: usize,
+    shape: (Size, Size),
+    blocksize: Size,
     codebook: &str,
     mut out: PyReadwriteArray2<'py, f32>,
     transpose: bool,
-    alpha: f32,
+    alpha: Finite,
     accumulate: bool,
 ) -> PyResult<()> {
+    let Finite(alpha) = alpha;
     let w = quantized(&codes, &absmax, shape, blocksize, codebook)?;
     let x = mat_ref(&x, "x")?;
     let mut y = mat_mut(&mut out)?;
@@ -298,8 +393,9 @@ fn dora_row_norms_dense<'py>(
     w: PyReadonlyArray2<'py, f32>,
     b: PyReadonlyArray2<'py, f32>,
     a: PyReadonlyArray2<'py, f32>,
-    scale: f32,
+    scale: Finite,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let Finite(scale) = scale;
     let w = Weight::Dense(mat_ref(&w, "w")?);
     let (b, a) = (mat_ref(&b, "b")?, mat_ref(&a, "a")?);
     Ok(py
@@ -314,13 +410,14 @@ fn dora_row_norms_quantized<'py>(
     py: Python<'py>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax: PyReadonlyArray1<'py, f32>,
-    shape: (usize, usize),
-    blocksize: usize,
+    shape: (Size, Size),
+    blocksize: Size,
     codebook: &str,
     b: PyReadonlyArray2<'py, f32>,
     a: PyReadonlyArray2<'py, f32>,
-    scale: f32,
+    scale: Finite,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let Finite(scale) = scale;
     let w = Weight::Quantized(quantized(&codes, &absmax, shape, blocksize, codebook)?);
     let (b, a) = (mat_ref(&b, "b")?, mat_ref(&a, "a")?);
     Ok(py
@@ -348,8 +445,9 @@ fn double_dequantize<'py>(
     py: Python<'py>,
     codes: PyReadonlyArray1<'py, u8>,
     absmax2: PyReadonlyArray1<'py, f32>,
-    offset: f32,
+    offset: Finite,
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let Finite(offset) = offset;
     let (c, a) = (slice(&codes, "codes")?, slice(&absmax2, "absmax2")?);
     Ok(py
         .detach(|| double_quant::dequantize(c, a, offset))?
@@ -407,6 +505,7 @@ fn simd_level() -> &'static str {
 /// Panics on purpose: the tests use it to prove a Rust panic reaches Python as an
 /// exception, never as an abort.
 #[pyfunction]
+#[allow(clippy::panic)] // the one panic on purpose
 fn _panic(message: &str) {
     panic!("{message}");
 }

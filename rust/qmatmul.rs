@@ -2,9 +2,10 @@
 //! [out, in]) that never hold all of W in f32: a few rows are dequantized into a small tile
 //! at a time and multiplied through `linalg::matmul`.
 
+use crate::buffer::zeroed;
 use crate::codebook::Format;
 use crate::codec;
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, checked_mul, Error, Result};
 use crate::layout::{block_count, check_blocksize};
 use crate::linalg::{matmul, MatMut, MatRef};
 
@@ -25,9 +26,10 @@ const TILE_MAX_ELEMENTS: usize = 1 << 20;
 const TILE_MAX_FRACTION: usize = 8;
 
 impl QuantizedMatrix<'_> {
-    fn check(&self) -> Result<()> {
+    /// Checks the blocksize and that codes and scales hold `rows * cols` values.
+    pub fn check(&self) -> Result<()> {
         check_blocksize(self.blocksize)?;
-        let n = self.rows * self.cols;
+        let n = checked_mul("elements of the quantized weight", self.rows, self.cols)?;
         check_len(
             "bytes of codes",
             self.format.code_bytes(n),
@@ -41,55 +43,78 @@ impl QuantizedMatrix<'_> {
     }
 
     /// Rows per tile: a multiple of `align` (so every tile starts on a block boundary) near
-    /// `min(TILE_MAX_ELEMENTS, size / TILE_MAX_FRACTION)` elements.
+    /// `min(TILE_MAX_ELEMENTS, size / TILE_MAX_FRACTION)` elements. Needs `check()` passed
+    /// (`rows * cols` fits) and `cols > 0`.
     fn tile_rows(&self) -> usize {
-        let align = self.blocksize / gcd(self.cols.max(1), self.blocksize);
-        let target = TILE_MAX_ELEMENTS.min(self.rows * self.cols / TILE_MAX_FRACTION);
-        let rows = (target / self.cols.max(1)) / align * align;
-        rows.max(align).min(self.rows.max(1))
+        // Checked and saturating only in form: `rows * cols` fits, the divisors are >= 1.
+        let align = (self.blocksize)
+            .checked_div(gcd(self.cols.max(1), self.blocksize))
+            .unwrap_or(1);
+        let target = TILE_MAX_ELEMENTS.min(self.rows.saturating_mul(self.cols) / TILE_MAX_FRACTION);
+        let aligned_tiles = target
+            .checked_div(self.cols)
+            .and_then(|rows| rows.checked_div(align))
+            .unwrap_or(0);
+        aligned_tiles
+            .saturating_mul(align)
+            .max(align)
+            .min(self.rows.max(1))
     }
 
     /// Dequantizes rows `r0..r0+len` into `tile` (row-major, `len * cols` elements).
     fn dequantize_rows(&self, r0: usize, len: usize, tile: &mut [f32]) -> Result<()> {
-        let (start, count) = (r0 * self.cols, len * self.cols);
-        let codes = match self.format.bits() {
-            4 => &self.codes[start / 2..(start + count).div_ceil(2)],
-            _ => &self.codes[start..start + count],
+        let out_of_range = || {
+            Error::InvalidArgument(format!(
+                "rows {r0}..{r0}+{len} of a quantized {}x{} weight",
+                self.rows, self.cols
+            ))
         };
-        let scales = &self.absmax[start / self.blocksize..(start + count).div_ceil(self.blocksize)];
+        let start = r0.checked_mul(self.cols).ok_or_else(out_of_range)?;
+        let count = len.checked_mul(self.cols).ok_or_else(out_of_range)?;
+        let end = start.checked_add(count).ok_or_else(out_of_range)?;
+        let code_range = match self.format.bits() {
+            4 => start / 2..end.div_ceil(2),
+            _ => start..end,
+        };
+        let first_scale = start.checked_div(self.blocksize).ok_or_else(out_of_range)?;
+        let scale_range = first_scale..end.div_ceil(self.blocksize);
         codec::dequantize_into(
-            codes,
-            scales,
+            self.codes.get(code_range).ok_or_else(out_of_range)?,
+            self.absmax.get(scale_range).ok_or_else(out_of_range)?,
             self.blocksize,
             self.format,
-            &mut tile[..count],
+            tile.get_mut(..count).ok_or_else(out_of_range)?,
         )
     }
 
-    /// Calls `f(first_row, tile_view)` for each tile of rows, in order.
+    /// Calls `f(first_row, tile_view)` for each tile of rows, in order (none when the weight
+    /// is empty).
     pub fn for_each_tile(&self, mut f: impl FnMut(usize, MatRef<'_>) -> Result<()>) -> Result<()> {
         self.check()?;
+        if self.rows == 0 || self.cols == 0 {
+            return Ok(());
+        }
         let step = self.tile_rows();
-        let mut tile = vec![0.0f32; step * self.cols];
+        let mut tile = zeroed(checked_mul("elements of a tile", step, self.cols)?)?;
         let mut r0 = 0;
         while r0 < self.rows {
-            let len = step.min(self.rows - r0);
+            // `step <= rows`, so neither a tile nor `r0` passes `rows * cols`, which fits.
+            let len = step.min(self.rows.saturating_sub(r0));
             self.dequantize_rows(r0, len, &mut tile)?;
-            f(
-                r0,
-                MatRef::row_major(&tile[..len * self.cols], len, self.cols),
-            )?;
-            r0 += len;
+            let values = tile
+                .get(..len.saturating_mul(self.cols))
+                .unwrap_or_default();
+            f(r0, MatRef::row_major(values, len, self.cols))?;
+            r0 = r0.saturating_add(len);
         }
         Ok(())
     }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
+    match a.checked_rem(b) {
+        None => a, // b == 0
+        Some(r) => gcd(b, r),
     }
 }
 
@@ -107,9 +132,17 @@ pub fn matmul_wt(
         (w.cols, w.rows),
         (y.rows, y.cols),
     )?;
+    w.check()?;
+    if y.rows == 0 || y.cols == 0 {
+        return Ok(());
+    }
+    if w.cols == 0 {
+        // An empty reduction: y is zero (or unchanged when accumulating).
+        return matmul(y, x, MatRef::row_major(&[], 0, w.rows), alpha, accumulate);
+    }
     w.for_each_tile(|r0, tile| {
         matmul(
-            &mut y.cols_mut(r0, tile.rows),
+            &mut y.cols_mut(r0, tile.rows)?,
             x,
             tile.t(),
             alpha,
@@ -132,14 +165,19 @@ pub fn matmul_w(
         (w.rows, w.cols),
         (dx.rows, dx.cols),
     )?;
+    w.check()?;
+    if dx.rows == 0 || dx.cols == 0 {
+        return Ok(());
+    }
     if w.rows == 0 {
+        // An empty reduction: dx is zero (or unchanged when accumulating).
         return matmul(dx, dy, MatRef::row_major(&[], 0, w.cols), alpha, accumulate);
     }
     // The tiles split the reduction: the first one writes (or accumulates), the rest add.
     w.for_each_tile(|r0, tile| {
         matmul(
             dx,
-            dy.cols(r0, tile.rows),
+            dy.cols(r0, tile.rows)?,
             tile,
             alpha,
             accumulate || r0 > 0,
@@ -162,6 +200,95 @@ fn check_shapes(what: &str, a: (usize, usize), b: (usize, usize), c: (usize, usi
 mod tests {
     use super::*;
     use crate::codec::quantize;
+
+    fn weight<'a>(q: &'a codec::Quantized, rows: usize, cols: usize) -> QuantizedMatrix<'a> {
+        QuantizedMatrix {
+            codes: &q.codes,
+            absmax: &q.absmax,
+            rows,
+            cols,
+            blocksize: 64,
+            format: Format::Nf4,
+        }
+    }
+
+    #[test]
+    fn empty_operands_give_empty_or_zero_products() {
+        let (rows, cols) = (32, 24);
+        let q = quantize(&vec![1.0f32; rows * cols], 64, Format::Nf4).unwrap();
+        let w = weight(&q, rows, cols);
+        // Zero tokens: nothing to write, W still checked.
+        let mut y: [f32; 0] = [];
+        matmul_wt(
+            &mut MatMut::row_major(&mut y, 0, rows),
+            MatRef::row_major(&[], 0, cols),
+            &w,
+            1.0,
+            false,
+        )
+        .unwrap();
+        matmul_w(
+            &mut MatMut::row_major(&mut y, 0, cols),
+            MatRef::row_major(&[], 0, rows),
+            &w,
+            1.0,
+            false,
+        )
+        .unwrap();
+        // W with no columns: x @ W^T is an empty sum, zero (or unchanged when accumulating).
+        let empty = quantize::<f32>(&[], 64, Format::Nf4).unwrap();
+        let mut y = [5.0f32; 3 * 7];
+        let mut out = MatMut::row_major(&mut y, 3, 7);
+        let x = MatRef::row_major(&[], 3, 0);
+        matmul_wt(&mut out, x, &weight(&empty, 7, 0), 1.0, true).unwrap();
+        assert_eq!(y, [5.0; 21]);
+        let mut out = MatMut::row_major(&mut y, 3, 7);
+        matmul_wt(&mut out, x, &weight(&empty, 7, 0), 1.0, false).unwrap();
+        assert_eq!(y, [0.0; 21]);
+        // W with no rows: dy @ W is an empty sum.
+        let mut dx = [5.0f32; 3 * 7];
+        let mut out = MatMut::row_major(&mut dx, 3, 7);
+        let dy = MatRef::row_major(&[], 3, 0);
+        matmul_w(&mut out, dy, &weight(&empty, 0, 7), 1.0, false).unwrap();
+        assert_eq!(dx, [0.0; 21]);
+    }
+
+    #[test]
+    fn shapes_whose_element_count_overflows_are_errors() {
+        let empty = quantize::<f32>(&[], 64, Format::Nf4).unwrap();
+        let w = weight(&empty, 1 << 32, 1 << 32);
+        assert!(matches!(w.check(), Err(Error::InvalidArgument(_))));
+        let mut y: [f32; 0] = [];
+        let r = matmul_wt(
+            &mut MatMut::row_major(&mut y, 0, 1 << 32),
+            MatRef::row_major(&[], 0, 1 << 32),
+            &w,
+            1.0,
+            false,
+        );
+        assert!(r.is_err());
+    }
+
+    #[test]
+    fn mismatched_codes_scales_and_shapes_are_errors() {
+        let q = quantize(&[1.0f32; 64], 64, Format::Nf4).unwrap();
+        let mut y = [0.0f32; 8];
+        let x = [0.0f32; 8];
+        for (rows, cols, blocksize) in [(8, 8, 64), (8, 9, 64), (9, 8, 64), (8, 8, 0), (8, 8, 48)] {
+            let w = QuantizedMatrix {
+                blocksize,
+                ..weight(&q, rows, cols)
+            };
+            let r = matmul_wt(
+                &mut MatMut::row_major(&mut y, 1, rows.min(8)),
+                MatRef::row_major(&x, 1, cols.min(8)),
+                &w,
+                1.0,
+                false,
+            );
+            assert_eq!(r.is_ok(), (rows, cols, blocksize) == (8, 8, 64));
+        }
+    }
 
     fn dense(w: &QuantizedMatrix<'_>) -> Vec<f32> {
         let mut out = vec![0.0; w.rows * w.cols];

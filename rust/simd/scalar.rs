@@ -44,12 +44,19 @@ pub fn first_non_finite<T: Input>(x: &[T]) -> Option<usize> {
     x.iter().position(|v| !v.to_f32().is_finite())
 }
 
+/// The index to report for a block whose scan saw a non-finite value: the first one a second
+/// scan finds, or the block's start when there is none any more (another thread wrote the
+/// input while it was read, which Python allows while the GIL is released).
+pub fn non_finite_in<T: Input>(block: &[T]) -> usize {
+    first_non_finite(block).unwrap_or(0)
+}
+
 /// `max |x|` of a block, or `Err(index)` of its first non-finite value.
 #[inline]
 pub fn block_absmax<T: Input>(x: &[T]) -> Result<f32, usize> {
     let bits = x.iter().fold(0u32, |m, v| m.max(abs_bits(v.to_f32())));
     if bits >= NON_FINITE_BITS {
-        return Err(first_non_finite(x).expect("a non-finite value is present"));
+        return Err(non_finite_in(x));
     }
     Ok(f32::from_bits(bits))
 }

@@ -256,3 +256,38 @@ fn neon_rounds_f64_like_as_f32() {
     x.truncate(x.len() / 8 * 8);
     check_widened(&x);
 }
+
+#[test]
+fn a_block_whose_non_finite_value_is_gone_reports_its_start() {
+    assert_eq!(scalar::non_finite_in(&[1.0f32, f32::NAN, f32::INFINITY]), 1);
+    // Another thread overwrote the value between the two scans: the second finds nothing.
+    assert_eq!(scalar::non_finite_in(&[1.0f32; 64]), 0);
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[test]
+fn the_simd_block_loop_survives_a_value_that_changes_between_scans() {
+    // The vector scan of block 1 saw a NaN; by the second (scalar) scan it is 1.0 again.
+    let x = [1.0f32; 128];
+    let (mut codes, mut absmax) = ([0u8; 64], [0f32; 2]);
+    let block1 = x.as_ptr().wrapping_add(64);
+    let max_abs_bits = |p: *const f32| {
+        if p == block1 {
+            scalar::NON_FINITE_BITS
+        } else {
+            1.0f32.to_bits()
+        }
+    };
+    // SAFETY: neither closure touches memory.
+    let r = unsafe {
+        quantize_nf4_blocks(
+            &x,
+            64,
+            &mut codes,
+            &mut absmax,
+            max_abs_bits,
+            |_, _, _, _| {},
+        )
+    };
+    assert_eq!(r, Err(64));
+}
