@@ -1,8 +1,9 @@
 // nybble's CUDA kernels: the blockwise codec (NF4, FP4, int8 and the dynamic 8-bit map of
-// double quantization) and the fused 4-bit GEMV. Loaded by nybble.cuda through CuPy (NVRTC).
+// double quantization) and the fused 4-bit GEMV. Loaded by nybble.backends.cuda through CuPy (NVRTC).
 //
 // Self-contained on purpose (no headers): CuPy and a bare NVRTC (the CI compile check) see
-// the same source. The f32 <-> f16/bf16 conversions are PTX cvt instructions, which round to
+// the same source. Every launch parameter is defined here once; the host reads the geometry it
+// needs back from the loaded module (`launch_facts`, at the end of this file). The f32 <-> f16/bf16 conversions are PTX cvt instructions, which round to
 // nearest even like numpy / ml_dtypes.
 //
 // Bit-exactness with the CPU codec: every rounding of the codec is explicit. __fmul_rn,
@@ -10,8 +11,8 @@
 // into an FMA nor replace by an approximation, whatever the compile options. The GEMV is not
 // bit-exact (it sums in its own order) and uses FMAs freely.
 //
-// The tables (codebook values, decision thresholds) are kernel arguments copied from
-// nybble.reference, so the numbers live in one place.
+// The tables (codebook values, decision thresholds) are kernel arguments that the launcher
+// takes from the Rust core (nybble.formats), so the numbers live in one place.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -21,11 +22,11 @@ typedef long long i64;
 
 #define THREADS 256  // every launcher uses blocks of 256 threads
 
-// ---- element types: 0 float32, 1 float16, 2 bfloat16 (nybble.cuda._launch.DTYPES) ---------
+// ---- element types: 0 float32, 1 float16, 2 bfloat16 (nybble.formats.OUTPUT_DTYPES) ------
 
 template <int D> struct Elem;
 
-// STEPS: 16-byte stores per thread when dequantizing (nybble.cuda._launch._STEPS), the fastest
+// STEPS: 16-byte stores per thread when dequantizing (see launch_facts), the fastest
 // on an H100 at 4096^2 and 14336x4096 of 1-4 (float32) and of 2-8 (16-bit).
 template <> struct Elem<0> {
     typedef float T;
@@ -441,6 +442,43 @@ QUANTIZE_ALL_INPUTS(fp4, FP4)
 QUANTIZE_ALL_INPUTS(int8, INT8)
 QUANTIZE_ALL_INPUTS(dynamic8, DYNAMIC8)
 
+// ---- non-finite scan --------------------------------------------------------------------------
+
+// *first_bad = min(*first_bad, flat index of each NaN or +-inf of x): the layers' input check,
+// which runs on the device without a wait; the host reads *first_bad when it must sync anyway.
+// x is C-contiguous and 16-byte aligned (the launcher sees to it).
+template <int D>
+__device__ __forceinline__ void scan_non_finite(const typename Elem<D>::T* __restrict__ x, i64 n,
+                                                u64* __restrict__ first_bad) {
+    enum { VEC = Elem<D>::VEC };
+    const i64 i = ((i64)blockIdx.x * THREADS + threadIdx.x) * VEC;
+    if (i >= n) return;
+    const int valid = n - i < VEC ? (int)(n - i) : VEC;
+    float v[VEC];
+    if (valid == VEC) {
+        Elem<D>::load_vec(x + i, v);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[e] = e < valid ? Elem<D>::load(x[i + e]) : 0.0f;
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        if (!finite(v[e])) {
+            atomicMin(first_bad, (u64)(i + e));
+            return;
+        }
+    }
+}
+
+#define SCAN_NON_FINITE(NAME, D)                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        NAME(const Elem<D>::T* __restrict__ x, i64 n, u64* __restrict__ first_bad) {           \
+        scan_non_finite<D>(x, n, first_bad);                                                   \
+    }
+SCAN_NON_FINITE(scan_non_finite_f32, 0)
+SCAN_NON_FINITE(scan_non_finite_f16, 1)
+SCAN_NON_FINITE(scan_non_finite_bf16, 2)
+
 // ---- the scales of double quantization, decoded ---------------------------------------------
 
 // out[b] = the scale of block b, for every block (what Scales gives the dequantize kernels:
@@ -506,7 +544,7 @@ __device__ __forceinline__ void decode8(u32 word, u32 lut, float* v) {
 // and shared memory. The parameters are the fastest of benchmarks/gemv_tune.py's sweep on an
 // H100, where the kernel is bound by latency (few warps per scheduler, each waiting on memory,
 // shared-memory lookups and dependent instructions), not by DRAM bandwidth. The launcher
-// (nybble.cuda._launch) knows GEMV_THREADS and GEMV_ROWS.
+// reads GEMV_THREADS and GEMV_ROWS from launch_facts.
 #ifndef GEMV_THREADS
 #define GEMV_THREADS 128
 #endif
@@ -639,7 +677,8 @@ __device__ __forceinline__ void gemv(const typename Elem<D>::T* __restrict__ x,
         const Scales scale = SCALE_ARGS;                                                       \
         gemv<D, M>(x, codes, scale, table, rows, cols, log2_bs, y);                            \
     }
-// float32 tokens: the 16-bit ones take the tensor-core GEMV below.
+// float32 tokens, up to GEMV_F32_TOKENS a launch: the 16-bit ones take the tensor-core GEMV.
+#define GEMV_F32_TOKENS 4
 GEMV(gemv_f32_m1, 0, 1)
 GEMV(gemv_f32_m2, 0, 2)
 GEMV(gemv_f32_m3, 0, 3)
@@ -680,7 +719,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 
 // A block computes tiles of 16 rows of W [rows, cols] (split layout) for up to 8 tokens: the
 // tiles blockIdx.x, + gridDim.x, ..., as many blocks being launched as the GPU holds at once
-// (nybble.cuda._launch.tc_blocks), so that a block builds its table once and its pipeline runs
+// (nybble.backends.cuda.launch.GemvWeight), so that a block builds its table once and its pipeline runs
 // on from one tile to the next. On an H100 that was 6-7% faster than a block per tile at
 // 14336 x 4096 and up to 4% at 8192^2; at 4096^2 (a tile per block either way) 3% slower.
 // The rows stream through shared memory in *stages* of TC_STAGE_GROUPS groups of G = 64 (or 32)
@@ -715,13 +754,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #define TC_STAGE_GROUPS 16
 #endif
 #define TC_ROWS 16
-#define TC_TOKENS 8
+// Tokens per launch: an API fact (nybble.cuda.GEMV_MAX_TOKENS) that the host compiles in.
+#ifndef TC_TOKENS
+#error "TC_TOKENS comes from the launcher: -DTC_TOKENS=<nybble.cuda.GEMV_MAX_TOKENS>"
+#endif
+static_assert(TC_TOKENS == 8, "the tokens of a launch are the n of one m16n8k16 mma");
 #define TC_LUT_BYTES (256 * 256)
 #define TC_NESTED_WORDS (TC_STAGE_GROUPS / 4 + 1)
 
 // One stage in shared memory: the codes of 16 rows, each row padded by 32 bytes so that the
 // pieces of 4 consecutive rows fall in different banks, then the rows' scales (padded by one
-// float, likewise). nybble.cuda._launch.tc_shared_bytes computes the same sizes.
+// float, likewise). The host reads the total from launch_facts.
 template <int G> struct TcStage {
     enum {
         ROW_BYTES = TC_STAGE_GROUPS * G / 2,
@@ -998,3 +1041,28 @@ GEMV_TC(gemv_tc_f16_g64_dq, 1, 64, true)
 GEMV_TC(gemv_tc_bf16_g64_dq, 2, 64, true)
 GEMV_TC(gemv_tc_f16_g32_dq, 1, 32, true)
 GEMV_TC(gemv_tc_bf16_g32_dq, 2, 32, true)
+
+// ---- what the launcher reads back ------------------------------------------------------------
+
+// The launch geometry of the kernels above, read by the host from the loaded module
+// (nybble.backends.cuda.kernels.LaunchFacts, fields in this order), so that each number keeps
+// its one definition in this file, whatever -D overrides a tuning build compiles with.
+extern "C" __device__ long long launch_facts[] = {
+    THREADS,                                  // threads of every codec kernel's block
+    THREADS * Elem<0>::STEPS * Elem<0>::VEC,  // dequantize: outputs per block, float32
+    THREADS * Elem<1>::STEPS * Elem<1>::VEC,  //   float16
+    THREADS * Elem<2>::STEPS * Elem<2>::VEC,  //   bfloat16
+    THREADS * 4 * Elem<0>::VEC,               // quantize: inputs per block, float32
+    THREADS * 4 * Elem<1>::VEC,               //   float16
+    THREADS * 4 * Elem<2>::VEC,               //   bfloat16
+    THREADS * Elem<0>::VEC,                   // non-finite scan: inputs per block, float32
+    THREADS * Elem<1>::VEC,                   //   float16
+    THREADS * Elem<2>::VEC,                   //   bfloat16
+    GEMV_THREADS,                             // float32 GEMV: threads per block
+    GEMV_ROWS,                                //   rows per block
+    GEMV_F32_TOKENS,                          //   tokens per launch
+    TC_WARPS * 32,                            // tensor-core GEMV: threads per block
+    TC_ROWS,                                  //   rows per tile
+    TC_LUT_BYTES + TC_STAGES * TcStage<32>::BYTES,  //   dynamic shared memory, groups of 32
+    TC_LUT_BYTES + TC_STAGES * TcStage<64>::BYTES,  //   dynamic shared memory, groups of 64
+};

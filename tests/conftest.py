@@ -66,7 +66,7 @@ def _reference_dequantize(
     codes: Any, absmax: Any, n: int, blocksize: int, codebook: str, dtype: str
 ) -> Any:
     out = reference.dequantize(codes, absmax, n, blocksize, codebook)
-    return out.astype(nybble._arrays.numpy_dtype(dtype))
+    return out.astype(nybble.formats.numpy_dtype(dtype))
 
 
 def _rust_quantize(x: np.ndarray, blocksize: int, codebook: str) -> tuple[Any, Any]:

@@ -205,7 +205,8 @@ def test_save_pretrained_round_trip_and_file_format(tmp_path: Path, dora: bool) 
     ):
         assert field in config
     with nybble.safetensors_io.SafeTensorsFile(tmp_path / "adapter_model.safetensors") as f:
-        assert f.metadata == {"format": "pt"}
+        assert f.metadata["format"] == "pt"
+        assert set(f.metadata) == {"format", "nybble.adapter_config_sha256"}
         keys = set(f.keys())
         assert f.shape("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight") == (4, 24)
         assert f.shape("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight") == (32, 4)
@@ -218,25 +219,156 @@ def test_save_pretrained_round_trip_and_file_format(tmp_path: Path, dora: bool) 
         np.testing.assert_array_equal(back.forward_layer(name, x), adapter.forward_layer(name, x))
 
 
+def _refused(directory: Path, base: dict[str, Any] | None = None) -> FormatError:
+    with pytest.raises(FormatError) as e:
+        LoraAdapter.from_pretrained(directory, base or {})
+    return e.value
+
+
 def test_from_pretrained_reports_problems(tmp_path: Path) -> None:
     adapter = small_adapter()
     adapter.save_pretrained(tmp_path)
-    missing = r"base has no 'model\.layers\.0\.self_attn\.q_proj\.weight'"
-    with pytest.raises(KeyError, match=missing):
+    with pytest.raises(KeyError) as missing:
         LoraAdapter.from_pretrained(tmp_path, {})
-    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps(dict(cfg, peft_type="IA3")))
-    with pytest.raises(FormatError, match="peft_type must be 'LORA'"):
-        LoraAdapter.from_pretrained(tmp_path, {})
-    (tmp_path / "adapter_config.json").write_text("{")
-    with pytest.raises(FormatError, match="not valid JSON"):
-        LoraAdapter.from_pretrained(tmp_path, {})
-    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    assert "model.layers.0.self_attn.q_proj.weight" in str(missing.value)
+    config_path = tmp_path / "adapter_config.json"
+    cfg = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(dict(cfg, peft_type="IA3")))
+    e = _refused(tmp_path)
+    assert (e.source, e.field) == (str(config_path), "peft_type")
+    config_path.write_text("{")
+    assert _refused(tmp_path).source == str(config_path)
+    config_path.write_text(json.dumps(cfg))
     (tmp_path / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(FormatError, match="header length"):
-        LoraAdapter.from_pretrained(tmp_path, {})
+    assert _refused(tmp_path).source == str(tmp_path / "adapter_model.safetensors")
     with pytest.raises(ValueError, match="no layers"):
         LoraAdapter(LoraConfig()).save_pretrained(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("r", "8"),
+        ("r", 0),
+        ("r", 10**40),
+        ("lora_alpha", "16"),
+        ("lora_alpha", 1e308),
+        ("lora_alpha", -1),
+        ("lora_dropout", 1.5),
+        ("use_rslora", "no"),
+        ("use_dora", 1),
+        ("fan_in_fan_out", "false"),
+        ("target_modules", [1, 2]),
+        ("target_modules", "q_proj("),
+        ("alpha_pattern", {"q_proj(": 4}),
+        ("alpha_pattern", {"q_proj": "4"}),
+        ("rank_pattern", {"q_proj": 2.5}),
+        ("init_lora_weights", "pissa"),
+        ("bias", "all"),
+        ("modules_to_save", ["lm_head"]),
+    ],
+)
+def test_config_fields_are_checked_by_type_and_range(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    small_adapter().save_pretrained(tmp_path)
+    config_path = tmp_path / "adapter_config.json"
+    cfg = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(dict(cfg, **{field: value})))
+    e = _refused(tmp_path)
+    assert e.source == str(config_path) and e.field == field
+
+
+def test_config_without_r_and_with_bad_json_numbers(tmp_path: Path) -> None:
+    small_adapter().save_pretrained(tmp_path)
+    config_path = tmp_path / "adapter_config.json"
+    cfg = json.loads(config_path.read_text())
+    del cfg["r"]
+    config_path.write_text(json.dumps(cfg))
+    assert _refused(tmp_path).field == "r"
+    config_path.write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": Infinity}')
+    assert _refused(tmp_path).field is None
+    config_path.write_text("[" * 100_000 + "]" * 100_000)
+    assert _refused(tmp_path).source == str(config_path)
+
+
+def _rewrite_weights(directory: Path, change: Any) -> None:
+    path = directory / "adapter_model.safetensors"
+    tensors = dict(nybble.safetensors_io.load(path))
+    nybble.safetensors_io.save(change(tensors), path, metadata={"format": "pt"})
+
+
+def test_weights_that_hold_nothing_or_odd_shapes_are_refused(tmp_path: Path) -> None:
+    adapter = small_adapter()
+    base = {f"{n}.weight": layer.weight for n, layer in adapter.layers.items()}
+    adapter.save_pretrained(tmp_path)
+    _rewrite_weights(tmp_path, lambda t: {})
+    assert _refused(tmp_path, base).problem == "holds no LoRA tensors"
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    for bad in (np.float32(1.0), np.ones(4, np.float32), np.ones((3, 24), np.float32)):
+        adapter.save_pretrained(tmp_path)
+        _rewrite_weights(tmp_path, lambda t, bad=bad: dict(t, **{key: np.asarray(bad)}))
+        assert _refused(tmp_path, base).field == key
+
+
+def test_an_interrupted_save_is_refused_not_loaded(tmp_path: Path) -> None:
+    """Weights of one save beside the config of another (what a kill between the two renames
+    leaves) are refused; each save alone loads."""
+    first, second = small_adapter(), small_adapter()
+    second.config = second.config.with_(alpha=2.0)
+    base = {f"{n}.weight": layer.weight for n, layer in first.layers.items()}
+    first.save_pretrained(tmp_path / "a")
+    second.save_pretrained(tmp_path / "b")
+    for d in ("a", "b"):
+        LoraAdapter.from_pretrained(tmp_path / d, base)
+    (tmp_path / "a" / "adapter_model.safetensors").replace(
+        tmp_path / "b" / "adapter_model.safetensors"
+    )
+    e = _refused(tmp_path / "b", base)
+    assert e.source == str(tmp_path / "b" / "adapter_config.json")
+
+
+def test_saves_keep_the_umask_and_leave_no_temporaries(tmp_path: Path) -> None:
+    import os
+
+    old = os.umask(0o027)
+    try:
+        small_adapter().save_pretrained(tmp_path / "new")
+        small_adapter().save_pretrained(tmp_path / "new")  # over an existing directory
+    finally:
+        os.umask(old)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (tmp_path / "new" / name).stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert [p.name for p in tmp_path.iterdir()] == ["new"]
+
+
+def test_a_failed_save_changes_nothing(tmp_path: Path) -> None:
+    adapter = small_adapter()
+    adapter.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    adapter.base_model_name_or_path = object()  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        adapter.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_path_objects_and_names_with_or_without_weight(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 12)).astype(np.float32)
+    adapter = LoraAdapter(LoraConfig(r=2, target_modules=["q_proj"]), tmp_path / "base")
+    adapter.add_layer("model.layers.0.self_attn.q_proj.weight", w)
+    assert "model.layers.0.self_attn.q_proj" in adapter
+    with pytest.raises(ValueError, match="target_modules"):
+        adapter.add_layer("model.layers.0.mlp.up_proj", w)
+    adapter.save_pretrained(tmp_path / "out")
+    for key in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj.weight"):
+        back = LoraAdapter.from_pretrained(tmp_path / "out", {key: w})
+        assert back.base_model_name_or_path == str(tmp_path / "base")
 
 
 # --- live PEFT (where torch + transformers + peft are installed) ------------------------------
@@ -248,9 +380,13 @@ def _tiny_llama() -> Any:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 

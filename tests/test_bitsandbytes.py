@@ -138,25 +138,103 @@ def test_export_import_round_trip(codebook: str, dq: bool, shape: tuple[int, ...
     np.testing.assert_array_equal(bits(back.dequantize()), bits(q.dequantize()))
 
 
+def _format_error(state: dict[str, Any]) -> FormatError:
+    with pytest.raises(FormatError) as e:
+        bnb.import_state(state)
+    assert e.value.source == "bitsandbytes state"
+    return e.value
+
+
 def test_import_state_reports_what_is_wrong() -> None:
     good = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32)))
-    with pytest.raises(FormatError, match=r"missing key 'weight\.absmax'"):
-        bnb.import_state({k: v for k, v in good.items() if k != "weight.absmax"})
-    with pytest.raises(FormatError, match="quant_state"):
-        bnb.import_state({k: v for k, v in good.items() if "quant_state" not in k})
-    bad = dict(good, **{"weight": good["weight"][:-1]})
-    with pytest.raises(FormatError, match="bytes, shape"):
-        bnb.import_state(bad)
-    bad = dict(
-        good, **{"weight.quant_state.bitsandbytes__nf4": np.frombuffer(b"{not json", np.uint8)}
+    blob = "weight.quant_state.bitsandbytes__nf4"
+    e = _format_error({k: v for k, v in good.items() if k != "weight.absmax"})
+    assert (e.field, e.problem) == ("weight.absmax", "missing")
+    e = _format_error({k: v for k, v in good.items() if "quant_state" not in k})
+    assert e.field == "weight.quant_state.bitsandbytes__*"
+    assert _format_error(dict(good, weight=good["weight"][:-1])).field == "weight"
+    bad = dict(good, **{blob: np.frombuffer(b"{not json", np.uint8)})
+    assert _format_error(bad).field == blob
+    assert _format_error(dict(good, **{"weight.quant_map": reference.FP4})).field == (
+        "weight.quant_map"
     )
-    with pytest.raises(FormatError, match="unreadable"):
-        bnb.import_state(bad)
-    bad = dict(good, **{"weight.quant_map": reference.FP4})
-    with pytest.raises(FormatError, match="not the standard nf4 codebook"):
-        bnb.import_state(bad)
     with pytest.raises(ValueError, match="not int8"):
         bnb.export_state(nybble.quantize(np.ones(8, np.float32), codebook="int8"))
+
+
+def _with_meta(state: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    key = next(k for k in state if "quant_state" in k)
+    meta = json.loads(state[key].tobytes())
+    meta.update(changes)
+    for k, v in changes.items():
+        if v is _DROP:
+            del meta[k]
+    return dict(state, **{key: np.frombuffer(json.dumps(meta).encode(), np.uint8)})
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("blocksize", 48),
+        ("blocksize", "64"),
+        ("blocksize", 10**30),
+        ("shape", "8x8"),
+        ("shape", [8, -8]),
+        ("shape", [2**40, 2**40]),
+        ("dtype", "int8"),
+        ("nested_offset", None),
+        ("nested_offset", _DROP),
+        ("nested_offset", "0.5"),
+        ("nested_blocksize", 128),
+    ],
+)
+def test_import_state_refuses_bad_metadata_naming_the_field(field: str, value: Any) -> None:
+    good = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32), double_quant=True))
+    e = _format_error(_with_meta(good, **{field: value}))
+    assert e.field is not None and e.field.endswith(field)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_import_state_refuses_scales_that_cannot_be_right(bad: float) -> None:
+    good = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32)))
+    absmax = good["weight.absmax"].copy()
+    absmax[0] = bad
+    assert _format_error(dict(good, **{"weight.absmax": absmax})).field == "weight.absmax"
+    dq = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32), double_quant=True))
+    nested = dq["weight.nested_absmax"].copy()
+    nested[0] = bad
+    assert _format_error(dict(dq, **{"weight.nested_absmax": nested})).field == (
+        "weight.nested_absmax"
+    )
+
+
+def test_import_state_refuses_uint8_scales_without_nested_metadata() -> None:
+    dq = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32), double_quant=True))
+    plain = {k: v for k, v in dq.items() if "nested" not in k}
+    plain = _with_meta(plain, nested_offset=_DROP, nested_blocksize=_DROP, nested_dtype=_DROP)
+    assert _format_error(plain).field == "weight.absmax"
+
+
+def test_import_state_refuses_odd_keys_and_containers() -> None:
+    good = bnb.export_state(nybble.quantize(np.ones((8, 8), np.float32)))
+    state: dict[Any, Any] = dict(good)
+    state[3] = np.zeros(1)  # a non-string key is not ours to read, and not an error
+    assert bnb.import_state(state).shape == (8, 8)
+    with pytest.raises(FormatError):
+        bnb.import_state([("weight", good["weight"])])  # type: ignore[arg-type]
+    assert _format_error(dict(good, weight=[[1, 2]])).field == "weight"
+
+
+def test_quantize_4bit_takes_bitsandbytes_names() -> None:
+    x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    q = bnb.quantize_4bit(x, compress_statistics=True, quant_type="nf4")
+    assert (q.codebook, q.double_quant) == ("nf4", True)
+    assert bnb.quantize_4bit(x).codebook == "fp4"  # bitsandbytes' default
+    with pytest.raises(ValueError, match="quant_type"):
+        bnb.quantize_4bit(x, quant_type="int8")
 
 
 # --- live comparison where torch + bitsandbytes are installed ---------------------------

@@ -135,7 +135,7 @@ def test_dequantize_all_256_code_bytes(fast_codec: Codec, dtype: str, codebook: 
     got = fast_codec.dequantize(codes, absmax, n, 64, codebook, dtype)
     with np.errstate(over="ignore"):  # 3e38 overflows f16 to inf, in both implementations
         want = reference.dequantize(codes, absmax, n, 64, codebook).astype(
-            nybble._arrays.numpy_dtype(dtype)
+            nybble.formats.numpy_dtype(dtype)
         )
     np.testing.assert_array_equal(bits(np.asarray(got)), bits(want))
 
@@ -146,7 +146,7 @@ def test_dequantize_int8_all_codes(fast_codec: Codec, dtype: str) -> None:
     absmax = np.array([1.0, 0.37, 5e-39] * 4, np.float32)[: -(-codes.size // 64)]
     got = fast_codec.dequantize(codes, absmax, codes.size, 64, "int8", dtype)
     want = reference.dequantize(codes, absmax, codes.size, 64, "int8").astype(
-        nybble._arrays.numpy_dtype(dtype)
+        nybble.formats.numpy_dtype(dtype)
     )
     np.testing.assert_array_equal(bits(np.asarray(got)), bits(want))
 
@@ -162,7 +162,7 @@ def test_dequantize_equals_oracle(
     got = fast_codec.dequantize(codes, absmax, x.size, blocksize, codebook, dtype)
     want = reference.dequantize(codes, absmax, x.size, blocksize, codebook)
     with np.errstate(over="ignore"):
-        want = want.astype(nybble._arrays.numpy_dtype(dtype))
+        want = want.astype(nybble.formats.numpy_dtype(dtype))
     np.testing.assert_array_equal(bits(np.asarray(got)), bits(want))
 
 
@@ -197,7 +197,7 @@ def test_empty_tensors(shape: tuple[int, ...]) -> None:
     assert q.shape == shape and q.codes.size == 0 and q.absmax.size == 0
     for dtype in OUT_DTYPES:
         out = q.dequantize(dtype)
-        assert out.shape == shape and out.dtype == nybble._arrays.numpy_dtype(dtype)
+        assert out.shape == shape and out.dtype == nybble.formats.numpy_dtype(dtype)
     assert q.to_blocks().size == 0
     assert nybble.NF4Tensor.from_blocks(q.to_blocks(), shape).shape == shape
 

@@ -17,7 +17,8 @@ import nybble
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 cuda = pytest.importorskip("nybble.cuda")
-from nybble.cuda import _launch  # noqa: E402
+from nybble.backends import cuda as cuda_backend  # noqa: E402
+from nybble.backends.cuda import launch  # noqa: E402
 
 DTYPES = ["float32", "float16", "bfloat16"]
 #: Unit roundoff of each dtype (half an ulp of 1).
@@ -32,7 +33,7 @@ def weight(rows: int, cols: int, seed: int) -> np.ndarray:
 
 def tokens(shape: tuple[int, ...], dtype: str, seed: int) -> Any:
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return cp.asarray(x.astype(nybble._arrays.numpy_dtype(dtype)))
+    return cp.asarray(x.astype(nybble.formats.numpy_dtype(dtype)))
 
 
 def assert_within_bound(got: Any, a: Any, b: np.ndarray, dtype: str) -> None:
@@ -62,7 +63,7 @@ def exact_weight(q: nybble.NF4Tensor) -> np.ndarray:
 @given(
     rows=st.integers(1, 70),
     chunks=st.integers(1, 12),
-    m=st.integers(1, _launch.GEMV_MAX_TOKENS),
+    m=st.integers(1, cuda.GEMV_MAX_TOKENS),
     dtype=st.sampled_from(DTYPES),
     blocksize=blocksizes,
     codebook=st.sampled_from(["nf4", "fp4"]),
@@ -91,7 +92,7 @@ def test_gemv_against_float64(
 @given(
     rows=st.integers(1, 40),
     chunks=st.integers(1, 48),
-    m=st.integers(1, _launch.GEMV_MAX_TOKENS),
+    m=st.integers(1, cuda.GEMV_MAX_TOKENS),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     blocksize=blocksizes,
     codebook=st.sampled_from(["nf4", "fp4"]),
@@ -107,7 +108,7 @@ def test_gemv_decodes_double_quantized_scales_as_the_decode_kernel(
     q = nybble.quantize(cp.asarray(weight(rows, cols, seed)), blocksize, True, codebook)
     assert q.nested is not None
     scales = cp.empty(q.nested.codes.size, cp.float32)
-    _launch.decode_scales(q.nested, scales.size, scales)
+    launch.decode_scales(q.nested, scales.size, scales)
     plain = nybble.NF4Tensor(q.codes, scales, q.shape, blocksize, codebook)
     x = tokens((m, cols), dtype, seed + 1)
     got, want = cuda.nf4_gemv(x, q), cuda.nf4_gemv(x, plain)
@@ -117,7 +118,7 @@ def test_gemv_decodes_double_quantized_scales_as_the_decode_kernel(
 @given(
     rows=st.integers(1, 120),
     chunks=st.integers(1, 40),
-    m=st.integers(1, _launch.GEMV_MAX_TOKENS),
+    m=st.integers(1, cuda.GEMV_MAX_TOKENS),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     blocksize=blocksizes,
     double_quant=st.booleans(),
@@ -145,7 +146,9 @@ def test_gemv_blocks_taking_several_tiles_match_one_block_per_tile(
         q = nybble.quantize(w, blocksize, double_quant)  # a weight of its own: a launch of its own
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(
-                _launch, "tc_blocks", lambda kernel, tiles, smem, cap=cap: min(tiles, cap or tiles)
+                launch.GemvWeight,
+                "tc_blocks",
+                lambda self, kernel, cap=cap: min(self.tiles, cap or self.tiles),
             )
             results.append(cuda.nf4_gemv(x, q))
     assert cp.array_equal(results[0].view(cp.uint16), results[1].view(cp.uint16))
@@ -159,8 +162,9 @@ def test_gemv_of_more_tiles_than_the_gpu_holds_blocks_of(double_quant: bool) -> 
     q = nybble.quantize(cp.asarray(weight(rows, cols, 3)), double_quant=double_quant)
     x = tokens((3, cols), "bfloat16", 4)
     assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, "bfloat16")
-    ((_, grid),) = cuda._gemv_weight(q)._tc_launches.values()
-    assert grid[0] < -(-rows // _launch.TC_ROWS)
+    prepared = cuda_backend.backend().gemv_weight(q.packed)
+    ((_, grid),) = prepared._tc_launches.values()
+    assert grid[0] < -(-rows // prepared.module.facts.tc_rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -173,27 +177,31 @@ def test_gemv_long_rows(dtype: str, shape: tuple[int, int]) -> None:
     assert_within_bound(y, x, exact_weight(q).T, dtype)
 
 
-def test_gemv_reuses_a_weights_checks_until_its_arrays_change() -> None:
-    """The checked launch arguments are kept per weight; every token dtype and count still
-    gets its own kernel, and a weight whose arrays are replaced is checked again."""
+def test_gemv_reuses_what_it_prepared_for_a_weight() -> None:
+    """The checked launch arguments are kept per weight while it lives; every token dtype and
+    count still gets its own kernel; a weight over arrays that had to be copied (not 16-byte
+    aligned) is computed right but nothing is kept for it."""
+    backend = cuda_backend.backend()
     q = nybble.quantize(cp.asarray(weight(48, 128, 20)))
     for dtype in DTYPES:
         for m in (1, 5):
             x = tokens((m, 128), dtype, m)
             assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, dtype)
-    assert q in cuda._gemv_weights
-    other = nybble.quantize(cp.asarray(weight(48, 128, 21)))
-    q.codes, q._absmax = other.codes, other.absmax
+    assert q.packed in backend._gemv_weights
+    assert backend.gemv_weight(q.packed) is backend.gemv_weight(q.packed)
     x = tokens((2, 128), "bfloat16", 3)
-    assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(other).T, "bfloat16")
-    # Codes that had to be copied (not 16-byte aligned) are used, but not kept.
     shifted = cp.empty(q.codes.size + 1, cp.uint8)[1:]
     shifted[:] = q.codes
     odd = nybble.NF4Tensor(shifted, q.absmax, q.shape)
-    assert_within_bound(cuda.nf4_gemv(x, odd), x, exact_weight(other).T, "bfloat16")
-    assert odd not in cuda._gemv_weights
-    q.codebook = "fp4"  # the same codes, read as FP4
-    assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, "bfloat16")
+    assert_within_bound(cuda.nf4_gemv(x, odd), x, exact_weight(q).T, "bfloat16")
+    assert odd.packed not in backend._gemv_weights
+    as_fp4 = nybble.NF4Tensor(q.codes, q.absmax, q.shape, codebook="fp4")  # same codes, FP4
+    assert_within_bound(cuda.nf4_gemv(x, as_fp4), x, exact_weight(as_fp4).T, "bfloat16")
+    del q, as_fp4
+    import gc
+
+    gc.collect()
+    assert len(backend._gemv_weights) == 0  # nothing outlives its weight
 
 
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------
@@ -217,7 +225,7 @@ def test_matmul_and_its_transpose(lead: tuple[int, ...], dtype: str) -> None:
 
 @pytest.mark.parametrize("codebook, cols", [("int8", 64), ("nf4", 100), ("fp4", 48)])
 def test_weights_the_gemv_does_not_take_go_through_cublas(codebook: str, cols: int) -> None:
-    assert not _launch.gemv_supported(codebook, (40, cols))
+    assert not launch.gemv_supported(codebook, (40, cols))
     q = nybble.quantize(cp.asarray(weight(40, cols, 6)), 32, codebook=codebook)
     x = tokens((2, cols), "bfloat16", 7)
     assert_within_bound(cuda.nf4_matmul(x, q), x, exact_weight(q).T, "bfloat16")
@@ -229,7 +237,7 @@ def test_gemv_and_cublas_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     q = nybble.quantize(cp.asarray(weight(256, 512, 8)))
     x = tokens((4, 512), "float32", 9)
     fused = cp.asnumpy(cuda.nf4_matmul(x, q))
-    monkeypatch.setattr(cuda, "GEMV_MAX_TOKENS", 0)
+    monkeypatch.setattr(cuda_backend, "GEMV_MAX_TOKENS", 0)
     dense = cp.asnumpy(cuda.nf4_matmul(x, q))
     np.testing.assert_allclose(fused, dense, rtol=1e-5, atol=1e-5 * np.abs(dense).max())
 
@@ -237,9 +245,9 @@ def test_gemv_and_cublas_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_float32_weights_are_dequantized_in_row_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     rows, cols = 100, 96
     q = nybble.quantize(cp.asarray(weight(rows, cols, 10)), 64)
-    monkeypatch.setattr(cuda, "TILE_BYTES", 32 * cols * 4)
-    assert cuda._row_tiles(q, "float32") == [(0, 32), (32, 64), (64, 96), (96, 100)]
-    assert cuda._row_tiles(q, "bfloat16") == [(0, rows)]
+    monkeypatch.setattr(cuda_backend, "TILE_BYTES", 32 * cols * 4)
+    assert cuda.row_tiles(q.packed, "float32") == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert cuda.row_tiles(q.packed, "bfloat16") == [(0, rows)]
     w = exact_weight(q)
     x = tokens((20, cols), "float32", 11)
     assert_within_bound(cuda.nf4_matmul(x, q), x, w.T, "float32")
@@ -274,11 +282,11 @@ def test_bad_matmul_arguments() -> None:
         cuda.nf4_matmul(x.astype(cp.int32), q)
     with pytest.raises(ValueError, match="expected a 2-D weight"):
         cuda.nf4_matmul(x, nybble.quantize(cp.ones(128, cp.float32)))
-    m = _launch.GEMV_MAX_TOKENS + 1
+    m = cuda.GEMV_MAX_TOKENS + 1
     with pytest.raises(ValueError, match=rf"1 <= m <= {m - 1}, got \({m}, 128\)"):
         cuda.nf4_gemv(tokens((m, 128), "float32", 16), q)
     y = cp.empty((2, 64), cp.float16)
-    checked = _launch.GemvWeight(q.codes, q.absmax, None, "nf4", (64, 128), 64)
+    checked = launch.GemvWeight(q.codes, q.absmax, None, "nf4", (64, 128), 64)
     with pytest.raises(ValueError, match="y: expected dtype float32, got float16"):
         checked(x, y)
     with pytest.raises(ValueError, match=r"y: expected shape \(2, 64\)"):

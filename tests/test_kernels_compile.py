@@ -5,6 +5,7 @@ defines every kernel the launchers name. NVRTC needs no GPU and no driver, so th
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nybble import _core
-from nybble.cuda import _launch, _module
+from nybble.backends.cuda import kernels, launch
 
 
 def _nvidia_dir() -> Path | None:
@@ -36,13 +37,18 @@ def _nvrtc() -> ctypes.CDLL:
     return lib
 
 
-def compile_ptx(source: str, name: str, arch: str) -> str:
-    """PTX of `source`, or an AssertionError carrying the compiler's log."""
+def compile_ptx(
+    source: str, name: str, arch: str, defines: tuple[str, ...] = (), host: bool = True
+) -> str:
+    """PTX of `source`, compiled with the options the library uses (with the definitions the
+    host passes unless not `host`), or an AssertionError carrying the compiler's log."""
     nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
     assert rc == 0, nvrtc.nvrtcGetErrorString(rc)
-    options = [*_module.OPTIONS, f"--gpu-architecture={arch}"]
+    options = kernels.compile_options(arch.removeprefix("sm_"), defines)
+    if not host:
+        options = [o for o in options if o.removeprefix("-D") not in kernels.HOST_DEFINES]
     include = NVIDIA / "cuda_runtime" / "include" if NVIDIA else None
     if include is not None and include.is_dir():  # cuda_fp16.h / cuda_bf16.h, should one need them
         options.append(f"-I{include}")
@@ -66,7 +72,7 @@ SOURCES = _core.kernel_sources()
 
 
 def test_the_extension_ships_the_kernels() -> None:
-    assert _module.KERNEL_FILE in SOURCES
+    assert kernels.KERNEL_FILE in SOURCES
     assert all(name.endswith((".cu", ".cuh")) for name in SOURCES)
 
 
@@ -83,9 +89,49 @@ def test_kernel_source_compiles(name: str, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_launched_kernel_is_defined(arch: str) -> None:
-    ptx = compile_ptx(SOURCES[_module.KERNEL_FILE], _module.KERNEL_FILE, arch)
+    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
     entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
-    assert set(_launch.kernel_names()) <= entries
+    assert set(launch.kernel_names()) <= entries
+
+
+def launch_facts(ptx: str) -> kernels.LaunchFacts:
+    """The module's `launch_facts`, decoded from its initializer in the PTX."""
+    match = re.search(
+        rf"\.global \.align 8 \.b8 {kernels.FACTS_SYMBOL}\[(\d+)\] = \{{([^}}]*)\}}", ptx
+    )
+    assert match is not None, "launch_facts is not a module variable"
+    size = int(match.group(1))
+    assert size == 8 * len(dataclasses.fields(kernels.LaunchFacts))
+    raw = bytes(int(b) for b in match.group(2).split(",")).ljust(size, b"\0")  # PTX may omit
+    # trailing zeros
+    return kernels.LaunchFacts(
+        *(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
+    )
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_module_defines_its_launch_facts(arch: str) -> None:
+    """The host reads the launch geometry back from the module: every field, consistent."""
+    facts = launch_facts(compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch))
+    assert facts.threads % 32 == 0 and facts.tc_threads % 32 == 0
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert facts.dequant_per_block(dtype) % facts.threads == 0
+        assert facts.quant_per_block(dtype) % facts.threads == 0
+    assert facts.tc_shared_g32 > 256 * 256 and facts.tc_shared_g64 > facts.tc_shared_g32
+    assert facts.gemv_tokens >= 1 and facts.tc_rows == 16
+
+
+def test_the_host_owns_the_gemv_token_count() -> None:
+    """The kernels do not compile without the definition the host passes (-DTC_TOKENS), so
+    GEMV_MAX_TOKENS has one definition; a tuning build compiles with other parameters."""
+    source = SOURCES[kernels.KERNEL_FILE]
+    with pytest.raises(AssertionError, match="TC_TOKENS comes from the launcher"):
+        compile_ptx(source, kernels.KERNEL_FILE, "sm_90", host=False)
+    default = launch_facts(compile_ptx(source, kernels.KERNEL_FILE, "sm_90"))
+    ptx = compile_ptx(source, kernels.KERNEL_FILE, "sm_90", ("TC_STAGES=4", "TC_WARPS=4"))
+    tuned = launch_facts(ptx)
+    assert ".entry gemv_tc_bf16_g64" in ptx and tuned.tc_threads == 128
+    assert tuned.tc_shared_g64 > default.tc_shared_g64  # one more stage in shared memory
 
 
 def test_a_compile_error_fails() -> None:

@@ -51,9 +51,13 @@ def make_layer(
     rng = np.random.default_rng(case["seed"])
     w = rng.standard_normal((case["out"], case["in"])).astype(np.float32)
     cfg = LoraConfig(
-        r=case["r"], alpha=case["alpha"], use_rslora=case["rslora"], use_dora=case["dora"],
-        dropout=dropout, seed=case["seed"],
-    )  # fmt: skip
+        r=case["r"],
+        alpha=case["alpha"],
+        use_rslora=case["rslora"],
+        use_dora=case["dora"],
+        dropout=dropout,
+        seed=case["seed"],
+    )
     bias = rng.standard_normal(case["out"]) if case["bias"] else None
     layer: Any = QLoraLinear(w, cfg, bias=bias) if quantized else LoraLinear(w, cfg, bias=bias)
     layer.set_lora_b(rng.standard_normal((case["out"], case["r"])) * 0.3)
@@ -87,9 +91,14 @@ def test_forward_and_backward_equal_the_oracle(quantized: bool, case: dict[str, 
     gx = layer.backward(gy)
     m = None if layer.lora_magnitude is None else f64(layer.lora_magnitude)
     want = reference.lora_backward(
-        f64(gy).reshape(-1, case["out"]), f64(x).reshape(-1, case["in"]), f64(w),
-        f64(layer.lora_a), f64(layer.lora_b), layer.scaling, m,
-    )  # fmt: skip
+        f64(gy).reshape(-1, case["out"]),
+        f64(x).reshape(-1, case["in"]),
+        f64(w),
+        f64(layer.lora_a),
+        f64(layer.lora_b),
+        layer.scaling,
+        m,
+    )
     assert gx.shape == x.shape
     assert_close(gx.reshape(-1, case["in"]), want[0], 5e-5)
     assert_close(layer.grad_a, want[1], 5e-5)
@@ -106,7 +115,7 @@ def test_dropout_applies_to_the_lora_branch_in_training_only(dora: bool) -> None
     layer, w = make_layer(case, dropout=0.5)
     x = np.random.default_rng(0).standard_normal((6, 24)).astype(np.float32)
     y = layer.forward(x)
-    keep = layer._cache["keep"]
+    keep = layer._calls.cache["keep"]
     assert keep is not None and set(np.unique(keep)) <= {0.0, 2.0} and 0 < keep.mean() < 2
     assert_close(y, oracle(layer, w, x, keep))
     gy = np.random.default_rng(1).standard_normal(y.shape).astype(np.float32)
@@ -356,3 +365,96 @@ def test_layer_input_errors() -> None:
         LoraLinear(np.ones((8, 6), np.float32), LoraConfig(r=1), bias=np.ones(6))
     with pytest.raises(ValueError, match="no DoRA magnitude"):
         layer.set_lora_magnitude(np.ones(8))
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_layers_return_the_dtype_they_are_given(quantized: bool, dtype: str) -> None:
+    """16-bit in, 16-bit out (products in float32, rounded once); float64 is computed and
+    returned as float32; gradients of the parameters are float32."""
+    import ml_dtypes
+
+    case = {
+        "out": 12,
+        "in": 10,
+        "r": 2,
+        "alpha": 4.0,
+        "rslora": False,
+        "dora": True,
+        "bias": True,
+        "seed": 3,
+    }
+    layer, _ = make_layer(case, quantized)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x32 = np.random.default_rng(0).standard_normal((4, 10)).astype(np.float32)
+    x = x32.astype(np_dtype)
+    y = layer.forward(x)
+    want_dtype = np.float32 if dtype == "float64" else np_dtype
+    assert y.dtype == want_dtype
+    y32 = layer.forward(x.astype(np.float32))
+    np.testing.assert_array_equal(y, y32.astype(want_dtype))  # rounded once, at the end
+    gx = layer.backward(np.ones(y.shape, np_dtype))
+    assert gx.dtype == want_dtype and layer.grad_a.dtype == np.float32
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["lora", "qlora"])
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
+def test_zero_tokens(quantized: bool, lead: tuple[int, ...]) -> None:
+    case = {
+        "out": 32,
+        "in": 24,
+        "r": 4,
+        "alpha": 8.0,
+        "rslora": False,
+        "dora": True,
+        "bias": True,
+        "seed": 1,
+    }
+    layer, _ = make_layer(case, quantized)
+    for enabled in (True, False):
+        layer.enable() if enabled else layer.disable()
+        y = layer.forward(np.ones((*lead, 24), np.float32))
+        assert y.shape == (*lead, 32)
+        assert layer.backward(np.ones((*lead, 32), np.float32)).shape == (*lead, 24)
+
+
+def test_threads_sharing_a_layer_get_their_own_gradients() -> None:
+    """Each thread's backward pairs with its own forward and fills its own gradients."""
+    import threading
+
+    case = {
+        "out": 16,
+        "in": 12,
+        "r": 2,
+        "alpha": 4.0,
+        "rslora": False,
+        "dora": False,
+        "bias": False,
+        "seed": 4,
+    }
+    layer, _ = make_layer(case)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((3, 12)).astype(np.float32) for _ in range(4)]
+    want = []
+    for x in inputs:
+        layer.forward(x)
+        layer.backward(np.ones((3, 16), np.float32))
+        want.append((layer.grad_a.copy(), layer.grad_b.copy()))
+    wrong: list[int] = []
+
+    def work(k: int) -> None:
+        for _ in range(200):
+            layer.forward(inputs[k])
+            layer.backward(np.ones((3, 16), np.float32))
+            if not (
+                np.array_equal(layer.grad_a, want[k][0])
+                and np.array_equal(layer.grad_b, want[k][1])
+            ):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

@@ -81,7 +81,7 @@ def test_cuda_and_cpu_round_trip_give_the_same_layer(kind: str) -> None:
     y_cpu = layer.eval().forward(x)
     y_gpu = cupy.asnumpy(layer.cuda().forward(cupy.asarray(x)))
     assert rel_err(y_gpu, y_cpu) < 1e-5
-    with pytest.raises(ValueError, match="on the CPU but the layer is on cuda"):
+    with pytest.raises(ValueError, match="x is on cpu but the layer is on cuda"):
         layer.forward(x)
     layer.cpu()
     assert layer.device == "cpu"
@@ -103,3 +103,97 @@ def test_gpu_merge_unmerge(dora: bool) -> None:
     assert rel_err(layer.weight, merged) < 1e-5
     layer.unmerge()
     assert rel_err(layer.weight, w) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_a_non_finite_input_surfaces_at_check_and_at_the_optimizer(kind: str) -> None:
+    """On the GPU forward and backward do not wait on the device: a NaN input is found there
+    and raised by check(), and in training by AdamW.step (its gradients are NaN too)."""
+    import cupy
+
+    from nybble import AdamW, NonFiniteError
+
+    layer, _ = make(kind, dora=False)
+    layer.cuda()
+    x = cupy.ones((4, 128), cupy.float32)
+    x[2, 5] = cupy.nan
+    y = layer.forward(x)  # no error yet: nothing waited for the device
+    layer.backward(cupy.ones_like(y))
+    with pytest.raises(NonFiniteError) as e:
+        layer.check()
+    assert (e.value.what, e.value.index) == ("x", 2 * 128 + 5)
+    layer.check()  # reported once
+    opt = AdamW(layer.parameters(), lr=1e-3)
+    before = cupy.asnumpy(layer.lora_a).copy()
+    layer.forward(x)
+    layer.backward(cupy.ones_like(y))
+    with pytest.raises(NonFiniteError):
+        opt.step(layer.gradients())
+    np.testing.assert_array_equal(cupy.asnumpy(layer.lora_a), before)  # nothing was applied
+
+
+class _PeakMemory:
+    """Bytes CuPy allocates at most while the context is open, over what it held on entry."""
+
+    def __enter__(self) -> _PeakMemory:
+        import cupy
+
+        outer = self
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = "peak"
+
+            def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):  # type: ignore[no-untyped-def]
+                outer.now += mem_size
+                outer.peak = max(outer.peak, outer.now)
+
+            def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):  # type: ignore[no-untyped-def]
+                outer.now -= mem_size
+
+        self.now = self.peak = 0
+        cupy.get_default_memory_pool().free_all_blocks()
+        self._hook = Hook()
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.__exit__(*exc)
+
+
+def test_dora_on_the_gpu_takes_row_norms_a_tile_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DoRA's row norms of a quantized W equal the CPU's, and the extra memory they take is
+    a tile, not the float32 weight."""
+    import cupy
+
+    from nybble.backends import cuda as cuda_backend
+
+    rng = np.random.default_rng(5)
+    rows, cols = 2048, 1024
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    layer = QLoraLinear(w, LoraConfig(r=8, alpha=16, use_dora=True))
+    layer.set_lora_b(rng.standard_normal((rows, 8)) * 0.05)
+    want = layer._row_norms()
+    layer.cuda()
+    tile = 64 * cols * 4
+    monkeypatch.setattr(cuda_backend, "TILE_BYTES", tile)
+    with _PeakMemory() as peak:
+        got = layer._row_norms()
+        cupy.cuda.Device().synchronize()
+    assert rel_err(got, want) < 1e-5
+    assert peak.peak <= 3 * tile + 4 * rows, (peak.peak, 4 * rows * cols)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layers_return_the_dtype_they_are_given(dtype: str) -> None:
+    """16-bit in, 16-bit out, as on the CPU; the gradients of A and B are float32."""
+    import cupy
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    for kind in ("lora", "qlora"):
+        layer, _ = make(kind, dora=True)
+        layer.cuda()
+        x = cupy.asarray(np.ones((3, 128), np_dtype))
+        y = layer.forward(x)
+        gx = layer.backward(cupy.ones_like(y))
+        assert y.dtype == x.dtype and gx.dtype == x.dtype
+        assert layer.grad_a.dtype == np.float32 and layer.grad_b.dtype == np.float32

@@ -1,14 +1,23 @@
 """nybble: NF4 quantization and LoRA/QLoRA layer math, bit-exact with bitsandbytes.
 
 numpy in -> numpy out (the Rust core, on the CPU); CuPy in -> CuPy out (CUDA kernels).
-`nybble.reference` is the pure-numpy oracle that states the math.
+`nybble.reference` is the pure-numpy oracle that states the math (imported on first use).
+docs/architecture.md shows how the package fits together.
 """
 
-from . import bnb, reference
-from .errors import FormatError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import bnb
+from .errors import FormatError, NonFiniteError
 from .lora import AdamW, LoraAdapter, LoraConfig, LoraLinear, QLoraLinear
 from .memory import estimate_memory
 from .tensor import NF4Tensor, dequantize, quantize
+
+if TYPE_CHECKING:
+    from . import reference
 
 __version__ = "0.1.0"
 
@@ -19,6 +28,7 @@ __all__ = [
     "LoraConfig",
     "LoraLinear",
     "NF4Tensor",
+    "NonFiniteError",
     "QLoraLinear",
     "bnb",
     "dequantize",
@@ -26,3 +36,10 @@ __all__ = [
     "quantize",
     "reference",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The oracle is for tests and readers: the package itself never imports it.
+    if name == "reference":
+        return importlib.import_module(".reference", __name__)
+    raise AttributeError(f"module 'nybble' has no attribute {name!r}")

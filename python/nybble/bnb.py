@@ -1,4 +1,5 @@
-"""bitsandbytes / transformers 4-bit interop: the state-dict entries of a `Linear4bit` weight.
+"""bitsandbytes / transformers 4-bit interop: the state-dict entries of a `Linear4bit` weight
+(docs/bitsandbytes.md).
 
 A `Linear4bit` saves, under its weight's prefix (here `weight`):
   weight                                  uint8 [ceil(n/2), 1], element 2k in the HIGH nibble
@@ -9,27 +10,48 @@ A `Linear4bit` saves, under its weight's prefix (here `weight`):
   weight.quant_state.bitsandbytes__nf4    uint8 bytes of a JSON object: quant_type, blocksize,
                                           dtype, shape (+ nested_blocksize, nested_dtype,
                                           nested_offset with double quant)
+
+bitsandbytes' own names are accepted where users pass them: `quant_type` for the codebook,
+`compress_statistics` for double quantization (`quantize_4bit`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from . import _arrays, reference
+from . import formats
+from .backends import cpu
 from .errors import FormatError
-from .tensor import NESTED_BLOCKSIZE, NestedAbsmax, NF4Tensor, check_blocksize
+from .formats import NESTED_BLOCKSIZE, NestedAbsmax, Packed
+from .tensor import NF4Tensor, quantize
 
-QUANT_TYPES = ("nf4", "fp4")
+QuantType = Literal["nf4", "fp4"]
+QUANT_TYPES: tuple[QuantType, ...] = ("nf4", "fp4")
+#: What a state dict is called in error messages.
+SOURCE = "bitsandbytes state"
+#: The largest JSON blob a quant state holds in practice is a few hundred bytes.
+MAX_QUANT_STATE_BYTES = 1 << 16
 
 
 def swap_nibbles(codes: np.ndarray) -> np.ndarray:
     """bitsandbytes packs element 2k in the high nibble, nybble in the low one: converting
     either way swaps the two nibbles of every byte."""
     return ((codes >> 4) | (codes << 4)).astype(np.uint8)
+
+
+def quantize_4bit(
+    x: Any, blocksize: int = 64, compress_statistics: bool = False, quant_type: str = "fp4"
+) -> NF4Tensor:
+    """`nybble.quantize` under bitsandbytes' names and defaults (`quantize_4bit`: FP4 unless
+    `quant_type="nf4"`; `compress_statistics` is double quantization)."""
+    if quant_type not in QUANT_TYPES:
+        raise ValueError(f"quant_type must be one of {', '.join(QUANT_TYPES)}, got {quant_type!r}")
+    return quantize(x, blocksize, bool(compress_statistics), quant_type)
 
 
 def export_state(q: NF4Tensor, prefix: str = "weight", dtype: Any = None) -> dict[str, np.ndarray]:
@@ -41,19 +63,19 @@ def export_state(q: NF4Tensor, prefix: str = "weight", dtype: Any = None) -> dic
     meta: dict[str, Any] = {
         "quant_type": q.codebook,
         "blocksize": q.blocksize,
-        "dtype": _arrays.output_dtype(dtype) if dtype is not None else q.orig_dtype,
+        "dtype": formats.output_dtype(dtype) if dtype is not None else q.orig_dtype,
         "shape": list(q.shape),
     }
     state = {
         prefix: swap_nibbles(q.codes).reshape(-1, 1),
-        f"{prefix}.quant_map": reference.codebook_values(q.codebook).copy(),
+        f"{prefix}.quant_map": formats.values(q.codebook).copy(),
     }
     if q.nested is None:
         state[f"{prefix}.absmax"] = np.asarray(q.absmax, np.float32)
     else:
         state[f"{prefix}.absmax"] = np.asarray(q.nested.codes, np.uint8)
         state[f"{prefix}.nested_absmax"] = np.asarray(q.nested.absmax2, np.float32)
-        state[f"{prefix}.nested_quant_map"] = reference.DYNAMIC_MAP.copy()
+        state[f"{prefix}.nested_quant_map"] = formats.values("dynamic8").copy()
         meta.update(
             nested_blocksize=NESTED_BLOCKSIZE,
             nested_dtype="float32",
@@ -66,77 +88,170 @@ def export_state(q: NF4Tensor, prefix: str = "weight", dtype: Any = None) -> dic
 
 def _array(state: Mapping[str, Any], key: str) -> np.ndarray:
     if key not in state:
-        raise FormatError(f"bitsandbytes state: missing key {key!r}")
+        raise FormatError(SOURCE, "missing", key)
     value = state[key]
     if hasattr(value, "detach"):  # a torch tensor, perhaps on a GPU
         value = value.detach().cpu()
-    return np.asarray(_arrays.as_host_array(value, key))
+    try:
+        return cpu.as_numpy(value, key)
+    except ValueError as e:
+        raise FormatError(SOURCE, f"not an array ({e})", key) from None
 
 
-def _expect(cond: bool, message: str) -> None:
+def _expect(cond: bool, field: str, problem: str) -> None:
     if not cond:
-        raise FormatError(f"bitsandbytes state: {message}")
+        raise FormatError(SOURCE, problem, field)
+
+
+def _meta(state: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """The quant state's JSON object, read with limits (size, nesting, numbers)."""
+    blob = _array(state, key)
+    _expect(blob.dtype.itemsize == 1, key, f"expected bytes (uint8), got {blob.dtype}")
+    _expect(blob.size <= MAX_QUANT_STATE_BYTES, key, f"{blob.size} bytes is not a quant state")
+    try:
+        meta = json.loads(
+            np.ascontiguousarray(blob).view(np.uint8).tobytes().decode("utf-8"),
+            parse_constant=_no_constant,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(SOURCE, f"not a JSON object ({e})", key) from None
+    _expect(isinstance(meta, dict), key, "not a JSON object")
+    return meta  # type: ignore[no-any-return]
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _int_field(meta: Mapping[str, Any], name: str, key: str) -> int:
+    value = meta.get(name)
+    _expect(
+        isinstance(value, int) and not isinstance(value, bool),
+        f"{key}: {name}",
+        f"expected an integer, got {value!r}",
+    )
+    return int(value)  # type: ignore[arg-type]
 
 
 def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
-    """An NF4Tensor from the entries `export_state` (or bitsandbytes) writes."""
-    found = [k for k in state if k.startswith(f"{prefix}.quant_state.bitsandbytes__")]
+    """An NF4Tensor from the entries `export_state` (or bitsandbytes) writes. Anything
+    malformed, inconsistent or not understood raises FormatError naming the key and field."""
+    if not isinstance(state, Mapping):
+        raise FormatError(SOURCE, f"expected a mapping of names to arrays, got {type(state)}")
+    head = f"{prefix}.quant_state.bitsandbytes__"
+    found = [k for k in state if isinstance(k, str) and k.startswith(head)]
+    _expect(len(found) == 1, f"{head}*", f"expected exactly one such key, found {found}")
+    key = found[0]
+    quant_type = key.rsplit("__", 1)[1]
+    _expect(quant_type in QUANT_TYPES, key, f"quant type {quant_type!r} is not nf4 or fp4")
+    codebook = formats.check_codebook(quant_type)
+    meta = _meta(state, key)
     _expect(
-        len(found) == 1, f"expected one '{prefix}.quant_state.bitsandbytes__*' key, found {found}"
+        meta.get("quant_type", quant_type) == quant_type,
+        f"{key}: quant_type",
+        f"{meta.get('quant_type')!r} disagrees with the key",
     )
-    quant_type = found[0].rsplit("__", 1)[1]
-    _expect(quant_type in QUANT_TYPES, f"quant type {quant_type!r} is not nf4 or fp4")
+    blocksize = _int_field(meta, "blocksize", key)
     try:
-        meta = json.loads(_array(state, found[0]).astype(np.uint8).tobytes().decode("utf-8"))
-        blocksize = check_blocksize(int(meta["blocksize"]))
-        shape = tuple(int(d) for d in meta["shape"])
-        orig_dtype = _arrays.output_dtype(str(meta.get("dtype", "float32")))
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"bitsandbytes state: unreadable {found[0]!r} ({e})") from None
-    _expect(meta.get("quant_type", quant_type) == quant_type, "quant_type disagrees with the key")
+        formats.check_blocksize(blocksize)
+    except ValueError as e:
+        raise FormatError(SOURCE, str(e), f"{key}: blocksize") from None
+    raw_shape = meta.get("shape")
+    _expect(isinstance(raw_shape, list), f"{key}: shape", f"expected a list, got {raw_shape!r}")
+    try:
+        shape = formats.check_shape(tuple(raw_shape))  # type: ignore[arg-type]
+    except ValueError as e:
+        raise FormatError(SOURCE, str(e), f"{key}: shape") from None
+    dtype = meta.get("dtype", "float32")
+    try:
+        orig_dtype = formats.output_dtype(str(dtype).removeprefix("torch."))
+    except ValueError as e:
+        raise FormatError(SOURCE, str(e), f"{key}: dtype") from None
 
-    n = int(np.prod(shape))
-    nblocks = -(-n // blocksize)
+    n = math.prod(shape)
+    nblocks = formats.block_count(n, blocksize)
     codes = _array(state, prefix)
-    _expect(codes.dtype == np.uint8, f"{prefix!r} has dtype {codes.dtype}, expected uint8")
+    _expect(codes.dtype == np.uint8, prefix, f"dtype {codes.dtype}, expected uint8")
     _expect(
-        codes.size == -(-n // 2),
-        f"{prefix!r} has {codes.size} bytes, shape {shape} needs {-(-n // 2)}",
+        codes.size == formats.code_bytes(n, codebook),
+        prefix,
+        f"{codes.size} bytes, shape {list(shape)} needs {formats.code_bytes(n, codebook)}",
     )
     quant_map = _array(state, f"{prefix}.quant_map")
     _expect(
-        np.array_equal(quant_map.astype(np.float32), reference.codebook_values(quant_type)),
-        f"{prefix}.quant_map is not the standard {quant_type} codebook",
+        quant_map.size == 16
+        and np.array_equal(quant_map.astype(np.float32).ravel(), formats.values(codebook)),
+        f"{prefix}.quant_map",
+        f"not the standard {quant_type} codebook",
     )
     absmax = _array(state, f"{prefix}.absmax").reshape(-1)
     _expect(
-        absmax.size == nblocks, f"{prefix}.absmax has {absmax.size} entries, expected {nblocks}"
+        absmax.size == nblocks, f"{prefix}.absmax", f"{absmax.size} entries, expected {nblocks}"
     )
 
+    nested_keys = [f"{prefix}.nested_absmax", f"{prefix}.nested_quant_map"]
+    is_nested = "nested_offset" in meta or any(k in state for k in nested_keys)
     nested = None
-    if "nested_offset" in meta or f"{prefix}.nested_absmax" in state:
-        _expect(absmax.dtype == np.uint8, f"{prefix}.absmax must be uint8 codes under double quant")
+    absmax_f32 = None
+    if is_nested:
         _expect(
-            int(meta.get("nested_blocksize", -1)) == NESTED_BLOCKSIZE,
-            "nested_blocksize must be 256",
+            absmax.dtype == np.uint8,
+            f"{prefix}.absmax",
+            f"dtype {absmax.dtype}; double quantization stores uint8 codes",
         )
-        nested_map = _array(state, f"{prefix}.nested_quant_map").astype(np.float32)
         _expect(
-            np.array_equal(nested_map, reference.DYNAMIC_MAP),
-            "nested_quant_map is not the dynamic map",
+            _int_field(meta, "nested_blocksize", key) == NESTED_BLOCKSIZE,
+            f"{key}: nested_blocksize",
+            f"must be {NESTED_BLOCKSIZE}",
         )
-        absmax2 = _array(state, f"{prefix}.nested_absmax").astype(np.float32).reshape(-1)
+        nested_map = _array(state, f"{prefix}.nested_quant_map").astype(np.float32).ravel()
         _expect(
-            absmax2.size == -(-nblocks // NESTED_BLOCKSIZE), "nested_absmax has the wrong length"
+            np.array_equal(nested_map, formats.values("dynamic8")),
+            f"{prefix}.nested_quant_map",
+            "not the dynamic 8-bit map",
         )
-        try:
-            offset = float(np.float32(meta["nested_offset"]))
-        except (KeyError, TypeError, ValueError):
-            raise FormatError("bitsandbytes state: nested_offset missing or not a number") from None
-        nested = NestedAbsmax(np.ascontiguousarray(absmax), np.ascontiguousarray(absmax2), offset)
-        absmax_f32 = None
+        absmax2 = _array(state, f"{prefix}.nested_absmax").reshape(-1)
+        _expect(
+            absmax2.dtype == np.float32,
+            f"{prefix}.nested_absmax",
+            f"dtype {absmax2.dtype}, expected float32",
+        )
+        want = formats.block_count(nblocks, NESTED_BLOCKSIZE)
+        _expect(
+            absmax2.size == want,
+            f"{prefix}.nested_absmax",
+            f"{absmax2.size} entries, expected {want}",
+        )
+        _expect(
+            bool(np.all(np.isfinite(absmax2) & (absmax2 >= 0))),
+            f"{prefix}.nested_absmax",
+            "scales must be finite and >= 0",
+        )
+        offset = meta.get("nested_offset")
+        _expect(
+            isinstance(offset, (int, float))
+            and not isinstance(offset, bool)
+            and math.isfinite(offset),
+            f"{key}: nested_offset",
+            f"expected a finite number, got {offset!r}",
+        )
+        nested = NestedAbsmax(
+            np.ascontiguousarray(absmax),
+            np.ascontiguousarray(absmax2),
+            float(offset),  # type: ignore[arg-type]
+        )
     else:
-        absmax_f32 = np.ascontiguousarray(absmax, dtype=np.float32)
-        _expect(bool(np.all(np.isfinite(absmax_f32))), f"{prefix}.absmax has non-finite values")
+        _expect(
+            absmax.dtype == np.float32,
+            f"{prefix}.absmax",
+            f"dtype {absmax.dtype}; without nested_offset the scales are float32",
+        )
+        absmax_f32 = np.ascontiguousarray(absmax)
+        _expect(
+            bool(np.all(np.isfinite(absmax_f32) & (absmax_f32 >= 0))),
+            f"{prefix}.absmax",
+            "scales must be finite and >= 0",
+        )
     codes_ours = swap_nibbles(np.ascontiguousarray(codes).reshape(-1))
-    return NF4Tensor(codes_ours, absmax_f32, shape, blocksize, quant_type, nested, orig_dtype)
+    packed = Packed(codes_ours, absmax_f32, nested, shape, blocksize, codebook)
+    return NF4Tensor._trusted(packed, orig_dtype)

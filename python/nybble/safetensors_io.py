@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _arrays
-from ._files import atomic_write
+from ._files import finish_temporary, replace_file, temporary_path
 from .errors import FormatError
+from .formats import BFLOAT16
 
 DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": _arrays.BFLOAT16,
+    "BF16": BFLOAT16,
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -48,16 +48,16 @@ class SafeTensorsFile:
         try:
             size = os.fstat(self._file.fileno()).st_size
             if size < 8:
-                raise FormatError(f"{self.path}: too short for a safetensors file ({size} bytes)")
+                raise FormatError(self.path, f"too short for a safetensors file ({size} bytes)")
             (n,) = struct.unpack("<Q", self._file.read(8))
             if n > min(MAX_HEADER, size - 8):
-                raise FormatError(f"{self.path}: header length {n} does not fit the file")
+                raise FormatError(self.path, f"header length {n} does not fit the file")
             try:
                 header = json.loads(self._file.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise FormatError(f"{self.path}: unreadable header ({e})") from None
+                raise FormatError(self.path, f"unreadable header ({e})") from None
             if not isinstance(header, dict):
-                raise FormatError(f"{self.path}: the header is not a JSON object")
+                raise FormatError(self.path, "the header is not a JSON object")
             self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
             self._start = 8 + n
             self._entries: dict[str, tuple[np.dtype[Any], tuple[int, ...], int, int]] = {}
@@ -78,16 +78,16 @@ class SafeTensorsFile:
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(v) for v in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise FormatError(
-                f"{self.path}: tensor {name!r} has a malformed entry {info!r}"
-            ) from None
+            raise FormatError(self.path, f"malformed entry {info!r}", name) from None
         count = int(np.prod(shape, dtype=np.int64))
         if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_size:
-            raise FormatError(f"{self.path}: tensor {name!r} lies outside the file")
+            raise FormatError(self.path, "lies outside the file", name)
         if end - begin != count * dtype.itemsize:
             raise FormatError(
-                f"{self.path}: tensor {name!r} has {end - begin} bytes, "
-                f"{info['dtype']} {list(shape)} needs {count * dtype.itemsize}"
+                self.path,
+                f"{end - begin} bytes, {info['dtype']} {list(shape)} needs "
+                f"{count * dtype.itemsize}",
+                name,
             )
         return dtype, shape, begin, end
 
@@ -152,18 +152,36 @@ def _header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | Non
     return struct.pack("<Q", len(raw)) + raw
 
 
+def save_temporary(
+    tensors: Mapping[str, np.ndarray],
+    target: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Writes a safetensors file to a temporary beside `target` and returns its path, to be
+    renamed into place (`_files.replace_file`); nothing is left behind on failure."""
+    # np.ascontiguousarray would turn a 0-d tensor into shape (1,); np.require keeps it.
+    arrays = {k: np.require(_little_endian(v), requirements="C") for k, v in tensors.items()}
+    header = _header(arrays, metadata)
+    fd, path = temporary_path(target)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            for a in arrays.values():
+                f.write(a.reshape(-1).view(np.uint8).data)
+        finish_temporary(path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def save(
     tensors: Mapping[str, np.ndarray],
     path: str | os.PathLike[str],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes a safetensors file atomically (a temp file renamed into place)."""
-    # np.ascontiguousarray would turn a 0-d tensor into shape (1,); np.require keeps it.
-    arrays = {k: np.require(_little_endian(v), requirements="C") for k, v in tensors.items()}
-    with atomic_write(path) as f:
-        f.write(_header(arrays, metadata))
-        for a in arrays.values():
-            f.write(a.reshape(-1).view(np.uint8).data)
+    """Writes a safetensors file atomically (a temporary renamed into place)."""
+    replace_file(save_temporary(tensors, path, metadata), path)
 
 
 def _little_endian(a: np.ndarray) -> np.ndarray:

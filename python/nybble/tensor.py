@@ -1,73 +1,19 @@
-"""NF4Tensor: a blockwise-quantized tensor (NF4, FP4 or int8 codes + per-block scales)."""
+"""NF4Tensor: a blockwise-quantized tensor (NF4, FP4 or int8 codes + per-block scales), on the
+CPU (numpy arrays) or the GPU (CuPy arrays). The work is done by the backend of its arrays
+(nybble.backends); docs/formats.md states the formats."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _arrays, _core
+from . import backends, formats
+from .backends import Device
+from .formats import Codebook, NestedAbsmax, OutputDtype, Packed
 
-#: The formats and their bits per code.
-CODEBOOKS = {"nf4": 4, "fp4": 4, "int8": 8}
-#: Scales per nested block under double quantization (bitsandbytes' choice).
-NESTED_BLOCKSIZE = 256
-
-
-def check_blocksize(blocksize: int) -> int:
-    if (
-        not isinstance(blocksize, (int, np.integer))
-        or isinstance(blocksize, bool)
-        or not 32 <= blocksize <= 4096
-        or blocksize & (blocksize - 1)
-    ):
-        raise ValueError(f"blocksize must be a power of two from 32 to 4096, got {blocksize!r}")
-    return int(blocksize)
-
-
-def check_codebook(codebook: str) -> str:
-    if codebook not in CODEBOOKS:
-        raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
-    return codebook
-
-
-def check_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    except (TypeError, ValueError):
-        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
-    return dims
-
-
-@dataclass(frozen=True)
-class NestedAbsmax:
-    """Double-quantized scales (QLoRA §3): `absmax = map[codes] * absmax2[i // 256] + offset`,
-    with bitsandbytes' signed dynamic 8-bit map."""
-
-    codes: Any  # uint8 [nblocks]
-    absmax2: Any  # float32 [ceil(nblocks / 256)]
-    offset: float  # the float32 mean that was subtracted
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.codes.nbytes + self.absmax2.nbytes + 4)
-
-    def decode(self) -> Any:
-        """The float32 scales (a CuPy array when the codes are on the GPU)."""
-        if not isinstance(self.codes, np.ndarray):
-            from . import cuda
-
-            return cuda.double_dequantize(self)
-        return _core.double_dequantize(self.codes, self.absmax2, np.float32(self.offset))
-
-    @staticmethod
-    def encode(absmax: np.ndarray) -> NestedAbsmax:
-        (codes, absmax2), offset = _core.double_quantize(np.ascontiguousarray(absmax, np.float32))
-        return NestedAbsmax(codes, absmax2, float(offset))
+__all__ = ["NF4Tensor", "NestedAbsmax", "dequantize", "quantize"]
 
 
 class NF4Tensor:
@@ -75,8 +21,9 @@ class NF4Tensor:
 
     `codes`: 4-bit formats pack two codes per byte (element 2k in the low nibble), `ceil(n/2)`
     bytes; int8 stores one two's-complement byte per element. `absmax`: one float32 per block
-    (decoded on access when double-quantized). Made by `nybble.quantize`, `from_blocks`, or
-    `nybble.bnb.import_state`.
+    (decoded on access when double-quantized: `nested` holds them as stored). Made by
+    `nybble.quantize`, `from_blocks`, or `nybble.bnb.import_state`; the arrays are not to be
+    changed in place once made (a GPU weight keeps what it prepared for them).
     """
 
     def __init__(
@@ -89,34 +36,79 @@ class NF4Tensor:
         nested: NestedAbsmax | None = None,
         orig_dtype: str = "float32",
     ) -> None:
-        self.shape = check_shape(shape)
+        """Checks everything: dtypes and sizes against the shape and format, and that every
+        scale is finite and >= 0 (which reads them back from the GPU)."""
+        backend = backends.of(codes)
+        codes = backend.asarray(codes, "codes")
+        if nested is not None:
+            nested = NestedAbsmax(
+                backend.asarray(nested.codes, "nested.codes"),
+                backend.asarray(nested.absmax2, "nested.absmax2"),
+                _finite_offset(nested.offset),
+            )
+            absmax = None
+        elif absmax is not None:
+            absmax = backend.asarray(absmax, "absmax")
+        packed = Packed(
+            codes,
+            absmax,
+            nested,
+            formats.check_shape(shape),
+            formats.check_blocksize(blocksize),
+            formats.check_codebook(codebook),
+        ).check()
+        self._init(packed, formats.output_dtype(orig_dtype))
+        scales = absmax if nested is None else nested.absmax2
+        bad = backend.first_non_finite(scales)
+        if bad is not None or bool(backend.xp.any(scales < 0)):
+            raise ValueError(
+                f"{'absmax' if nested is None else 'nested absmax2'}: scales must be finite "
+                "and >= 0"
+            )
+
+    def _init(self, packed: Packed, orig_dtype: OutputDtype) -> None:
+        self._packed = packed
         #: The dtype of the tensor that was quantized (bitsandbytes records it as `dtype`).
-        self.orig_dtype = _arrays.output_dtype(orig_dtype)
-        self.blocksize = check_blocksize(blocksize)
-        self.codebook = check_codebook(codebook)
-        n = self.size
-        nblocks = -(-n // self.blocksize)
-        code_bytes = -(-n // 2) if CODEBOOKS[codebook] == 4 else n
-        if codes.dtype != np.uint8 or codes.ndim != 1 or codes.size != code_bytes:
-            raise ValueError(
-                f"codes: expected a flat uint8 array of {code_bytes} bytes for shape {self.shape}, "
-                f"got {codes.dtype} {tuple(codes.shape)}"
-            )
-        scales = nested.codes if nested is not None else absmax
-        if scales.ndim != 1 or scales.size != nblocks:
-            raise ValueError(
-                f"absmax: expected {nblocks} scales for shape {self.shape} and blocksize "
-                f"{self.blocksize}, got {tuple(scales.shape)}"
-            )
-        self.codes = codes
-        self._absmax: Any = absmax if nested is None else None
-        self.nested = nested
+        self.orig_dtype: OutputDtype = orig_dtype
+
+    @classmethod
+    def _trusted(cls, packed: Packed, orig_dtype: OutputDtype) -> NF4Tensor:
+        """A tensor of arrays nybble made itself (quantized or moved): shapes checked, values
+        not read back (they are right by construction, and reading them would wait on a GPU)."""
+        t = cls.__new__(cls)
+        t._init(packed.check(), orig_dtype)
+        return t
 
     # --- properties ---------------------------------------------------------------------
 
     @property
+    def packed(self) -> Packed:
+        """The arrays and format, as the backends take them."""
+        return self._packed
+
+    @property
+    def codes(self) -> Any:
+        return self._packed.codes
+
+    @property
+    def nested(self) -> NestedAbsmax | None:
+        return self._packed.nested
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._packed.shape
+
+    @property
+    def blocksize(self) -> int:
+        return self._packed.blocksize
+
+    @property
+    def codebook(self) -> Codebook:
+        return self._packed.codebook
+
+    @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return self._packed.size
 
     @property
     def ndim(self) -> int:
@@ -129,85 +121,106 @@ class NF4Tensor:
     @property
     def absmax(self) -> Any:
         """The float32 scale of each block (decoded from the nested form if double-quantized)."""
-        if self.nested is not None:
-            return self.nested.decode()
-        return self._absmax
+        p = self._packed
+        if p.nested is not None:
+            return self._backend.double_dequantize(p.nested)
+        return p.absmax
 
     @property
-    def device(self) -> str:
-        return "cpu" if isinstance(self.codes, np.ndarray) else "cuda"
+    def device(self) -> Device:
+        return self._backend.device
+
+    @property
+    def _backend(self) -> backends.Backend:
+        return backends.of(self._packed.codes)
 
     @property
     def nbytes(self) -> int:
         """Bytes of codes plus scales (plus the nested state under double quantization)."""
-        if self.nested is not None:
-            return int(self.codes.nbytes + self.nested.nbytes)
-        return int(self.codes.nbytes + self._absmax.nbytes)
+        p = self._packed
+        return int(p.codes.nbytes) + p.scale_bytes
 
     def __repr__(self) -> str:
         dq = ", double_quant=True" if self.double_quant else ""
         return (
             f"NF4Tensor(shape={self.shape}, codebook={self.codebook!r}, "
-            f"blocksize={self.blocksize}{dq}, device={self.device!r}, nbytes={self.nbytes})"
+            f"blocksize={self.blocksize}{dq}, orig_dtype={self.orig_dtype!r}, "
+            f"device={self.device!r}, nbytes={self.nbytes})"
         )
 
     # --- conversions --------------------------------------------------------------------
 
-    def dequantize(self, dtype: Any = "float32") -> Any:
-        """`value(code) * absmax` in float32, rounded (nearest-even) to float32/float16/bfloat16."""
-        name = _arrays.output_dtype(dtype)
-        if self.device == "cuda":
-            from . import cuda
-
-            return cuda.dequantize(self, name)
-        out = np.empty(self.shape, _arrays.numpy_dtype(name))
-        flat = out.reshape(-1)
-        if name == "float32":
-            _core.dequantize_into(self.codes, self.absmax, self.blocksize, self.codebook, flat)
-        else:
-            bits = flat.view(np.uint16)
-            _core.dequantize_into(
-                self.codes, self.absmax, self.blocksize, self.codebook, bits, name
-            )
-        return out
+    def dequantize(self, dtype: Any = "float32", out: Any = None) -> Any:
+        """`value(code) * absmax` in float32, rounded (nearest-even) to float32/float16/bfloat16;
+        an array of this tensor's shape on its device (or `out`, a C-contiguous array of its
+        size and `dtype` on its device, filled and returned)."""
+        return self._backend.dequantize(self._packed, formats.output_dtype(dtype), out)
 
     def to_blocks(self) -> np.ndarray:
-        """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes."""
-        if self.codebook == "int8" or self.blocksize != 64:
+        """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes;
+        a host array. Holds 4-bit codes in blocks of 64; the codebook is not part of it, so
+        `from_blocks` needs it again."""
+        if formats.code_bits(self.codebook) != 4 or self.blocksize != formats.BLOCK36_VALUES:
             raise ValueError(
                 "the 36-byte block layout holds 4-bit codes in blocks of 64; this tensor is "
                 f"{self.codebook} with blocksize {self.blocksize}"
             )
-        t = self.cpu()
-        return _core.to_blocks36(t.codes, t.absmax, t.size, t.codebook)
+        from .backends import cpu
+
+        return cpu.BACKEND.to_blocks36(self.cpu()._packed)
 
     @classmethod
     def from_blocks(cls, buf: Any, shape: Any, codebook: str = "nf4") -> NF4Tensor:
-        """The inverse of `to_blocks` for a tensor of `shape`."""
-        dims = check_shape(shape)
-        check_codebook(codebook)
-        if CODEBOOKS[codebook] != 4:
-            raise ValueError(f"the 36-byte block layout holds 4-bit codes, not {codebook}")
+        """The inverse of `to_blocks` for a tensor of `shape` (and the `codebook` it held)."""
+        from .backends import cpu
+
+        dims = formats.check_shape(shape)
+        cb = formats.check_codebook(codebook)
+        if formats.code_bits(cb) != 4:
+            raise ValueError(f"the 36-byte block layout holds 4-bit codes, not {cb}")
         if isinstance(buf, (bytes, bytearray, memoryview)):
             buf = np.frombuffer(buf, dtype=np.uint8)
-        b = _arrays.as_host_array(buf, "buf")
-        if b.dtype.itemsize != 1:
+        b = cpu.as_numpy(buf, "buf")
+        if b.dtype.itemsize != 1 or b.dtype.kind not in "uib":
             raise ValueError(f"buf: expected a buffer of bytes (uint8), got dtype {b.dtype}")
         flat = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-        codes, absmax = _core.from_blocks36(flat, math.prod(dims))
-        return cls(codes, absmax, dims, 64, codebook)
+        codes, absmax = cpu.BACKEND.from_blocks36(flat, math.prod(dims))
+        packed = Packed(codes, absmax, None, dims, formats.BLOCK36_VALUES, cb)
+        return cls._trusted(packed, "float32")
 
     def cpu(self) -> NF4Tensor:
-        if self.device == "cpu":
-            return self
-        from . import cuda
-
-        return cuda.to_cpu(self)
+        """This tensor with its arrays on the host (itself when they are)."""
+        return self._moved(backends.get("cpu"))
 
     def cuda(self) -> NF4Tensor:
-        from . import cuda
+        """This tensor with its arrays on the current GPU (itself when they are); needs CuPy."""
+        return self._moved(backends.get("cuda"))
 
-        return cuda.to_cuda(self)
+    def _moved(self, to: backends.Backend) -> NF4Tensor:
+        source = self._backend
+        if source.device == to.device:
+            return self
+
+        def move(a: Any) -> Any:
+            return to.from_host(source.to_host(a))
+
+        p = self._packed
+        nested = None
+        if p.nested is not None:
+            nested = NestedAbsmax(move(p.nested.codes), move(p.nested.absmax2), p.nested.offset)
+        absmax = None if p.absmax is None else move(p.absmax)
+        packed = Packed(move(p.codes), absmax, nested, p.shape, p.blocksize, p.codebook)
+        return NF4Tensor._trusted(packed, self.orig_dtype)
+
+
+def _finite_offset(offset: object) -> float:
+    try:
+        value = float(offset)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"nested offset must be a number, got {offset!r}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"nested offset must be finite, got {value}")
+    return value
 
 
 def quantize(
@@ -215,27 +228,20 @@ def quantize(
 ) -> NF4Tensor:
     """Quantizes an array of any shape blockwise (row-major flat order).
 
-    `x`: float32, float16, bfloat16 or float64, any strides; numpy (or any host `__dlpack__`
-    array) runs on the CPU, a CuPy / CUDA array on the GPU. NaN or inf -> ValueError naming
-    the first flat index.
-    """
-    check_blocksize(blocksize)
-    check_codebook(codebook)
-    if _arrays.is_cuda(x):
-        from . import cuda
-
-        return cuda.quantize(x, blocksize, double_quant, codebook)
-    host = _arrays.as_host_array(x)
-    a = _arrays.float_input(host)
-    if a.dtype.name in ("float16", "bfloat16"):
-        codes, absmax = _core.quantize(a.view(np.uint16), blocksize, codebook, a.dtype.name)
-    else:
-        codes, absmax = _core.quantize(a, blocksize, codebook)
-    nested = NestedAbsmax.encode(absmax) if double_quant else None
-    orig = "float32" if a.dtype.name == "float64" else a.dtype.name
-    return NF4Tensor(codes, absmax, host.shape, blocksize, codebook, nested, orig)
+    `x`: float32, float16, bfloat16 or float64, any strides, either byte order; numpy (or any
+    host `__dlpack__` array) runs on the CPU, a CuPy / CUDA array on the GPU. NaN or inf:
+    NonFiniteError with the first flat index (`.index`)."""
+    bs = formats.check_blocksize(blocksize)
+    cb = formats.check_codebook(codebook)
+    backend = backends.of(x)
+    a = backend.float_array(x)
+    codes, absmax = backend.quantize(a, bs, cb)
+    nested = backend.double_quantize(absmax) if double_quant else None
+    orig: OutputDtype = "float32" if a.dtype.name == "float64" else formats.output_dtype(a.dtype)
+    packed = Packed(codes, None if nested else absmax, nested, tuple(a.shape), bs, cb)
+    return NF4Tensor._trusted(packed, orig)
 
 
-def dequantize(q: NF4Tensor, dtype: Any = "float32") -> Any:
-    """Same as `q.dequantize(dtype)`."""
-    return q.dequantize(dtype)
+def dequantize(q: NF4Tensor, dtype: Any = "float32", out: Any = None) -> Any:
+    """Same as `q.dequantize(dtype, out)`."""
+    return q.dequantize(dtype, out)

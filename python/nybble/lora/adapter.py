@@ -1,23 +1,36 @@
-"""LoraAdapter: named LoRA/QLoRA layers of one model, and PEFT's adapter files."""
+"""LoraAdapter: named LoRA/QLoRA layers of one model, and PEFT's adapter files (docs/lora.md).
+
+Saving is safe against interruption: both files are written in full to temporaries first
+and then renamed into place, the weights first and the config last; the weights record the
+SHA-256 of the config they belong with, so a directory left between the two renames (or
+holding files of two different saves) is refused on load instead of loading silently.
+A directory that did not exist is built aside and renamed into place whole.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import safetensors_io
-from .._files import atomic_write
+from .. import backends, safetensors_io
+from .._files import (
+    new_directory_mode,
+    remove_stale_temporaries,
+    replace_file,
+    write_temporary,
+)
 from ..errors import FormatError
 from ..tensor import NF4Tensor
-from .config import LoraConfig
+from .config import CONFIG_FILE, LoraConfig, read_json
 from .layers import LoraLinear, QLoraLinear
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 #: PEFT keys: base_model.model.<module path>.lora_A.weight (etc.).
 KEY_PREFIX = "base_model.model."
@@ -26,8 +39,15 @@ KEY_SUFFIXES = {
     "lora_B.weight": "lora_b",
     "lora_magnitude_vector": "lora_magnitude",
 }
+#: The weights file's metadata key holding the SHA-256 of the config saved with it.
+CONFIG_DIGEST_KEY = "nybble.adapter_config_sha256"
 
 Layer = LoraLinear | QLoraLinear
+
+
+def module_name(name: str) -> str:
+    """A module path from a layer name given with or without its `.weight`."""
+    return name.removesuffix(".weight")
 
 
 class LoraAdapter:
@@ -35,8 +55,17 @@ class LoraAdapter:
 
     def __init__(self, config: LoraConfig, base_model_name_or_path: str | None = None) -> None:
         self.config = config.validate()
-        self.base_model_name_or_path = base_model_name_or_path
+        self.base_model_name_or_path = (
+            None if base_model_name_or_path is None else os.fspath(base_model_name_or_path)
+        )
         self.layers: dict[str, Layer] = {}
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LoraAdapter({len(self.layers)} layers, r={c.r}, lora_alpha={c.alpha}, "
+            f"target_modules={c.target_modules!r}, trainable={self.summary()['trainable']})"
+        )
 
     def add_layer(
         self,
@@ -45,12 +74,22 @@ class LoraAdapter:
         bias: Any = None,
         config: LoraConfig | None = None,
     ) -> Layer:
-        """A LoraLinear over a dense weight, or a QLoraLinear over an NF4Tensor."""
-        if name in self.layers:
-            raise ValueError(f"a layer named {name!r} already exists")
+        """A LoraLinear over a dense weight, or a QLoraLinear over an NF4Tensor, for the
+        module `name` (given with or without `.weight`), which the config's target_modules
+        must name; rank_pattern / alpha_pattern pick its r and alpha."""
+        if not isinstance(name, str):
+            raise ValueError(f"layer name must be a string, got {type(name).__name__}")
+        name = module_name(name)
         if not name or any(part == "" for part in name.split(".")):
             raise ValueError(f"layer name must be a dotted module path, got {name!r}")
+        if name in self.layers:
+            raise ValueError(f"a layer named {name!r} already exists")
         cfg = config or self.config
+        if config is None and not cfg.targets(name):
+            raise ValueError(
+                f"{name!r} is not one of the adapter's target_modules {cfg.target_modules!r}"
+            )
+        cfg = cfg.for_module(name)
         layer: Layer
         if isinstance(weight, NF4Tensor):
             layer = QLoraLinear(weight, cfg, bias=bias, name=name)
@@ -60,12 +99,13 @@ class LoraAdapter:
         return layer
 
     def __getitem__(self, name: str) -> Layer:
-        if name not in self.layers:
+        key = module_name(name)
+        if key not in self.layers:
             raise KeyError(f"no layer named {name!r}; layers: {sorted(self.layers)}")
-        return self.layers[name]
+        return self.layers[key]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.layers
+        return isinstance(name, str) and module_name(name) in self.layers
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -83,6 +123,11 @@ class LoraAdapter:
     def unmerge_all(self) -> None:
         for layer in self.layers.values():
             layer.unmerge()
+
+    def check(self) -> None:
+        """Every layer's `check()`: NonFiniteError for a non-finite input seen on the GPU."""
+        for layer in self.layers.values():
+            layer.check()
 
     def merged_weights(self, dtype: Any = "float32") -> dict[str, Any]:
         """{"<name>.weight": W + ΔW} for every layer, without changing any layer."""
@@ -122,29 +167,19 @@ class LoraAdapter:
     # --- PEFT files -----------------------------------------------------------------------
 
     def peft_config(self) -> dict[str, Any]:
-        c = self.config
-        targets: str | list[str] = "all-linear"
-        if c.target_modules != "all-linear":
+        """adapter_config.json as PEFT writes it (target_modules: the leaves of the layers
+        added, together with those the config names)."""
+        out = self.config.to_peft()
+        if not isinstance(self.config.target_modules, str):
             leaves = {n.rsplit(".", 1)[-1] for n in self.layers}
-            targets = sorted(leaves | set(c.target_modules))
-        return {
-            "peft_type": "LORA",
-            "task_type": None,
-            "base_model_name_or_path": self.base_model_name_or_path,
-            "r": c.r,
-            "lora_alpha": c.alpha,
-            "lora_dropout": c.dropout,
-            "target_modules": targets,
-            "use_rslora": c.use_rslora,
-            "use_dora": c.use_dora,
-            "fan_in_fan_out": c.fan_in_fan_out,
-            "bias": "none",
-            "init_lora_weights": True if c.init == "kaiming" else "gaussian",
-            "inference_mode": True,
-            "modules_to_save": None,
-            "rank_pattern": {},
-            "alpha_pattern": {},
-        }
+            out["target_modules"] = sorted(leaves | set(self.config.target_modules))
+        out.update(
+            task_type=None,
+            base_model_name_or_path=self.base_model_name_or_path,
+            inference_mode=True,
+            modules_to_save=None,
+        )
+        return dict(sorted(out.items()))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The adapter's tensors under PEFT's keys, as host float32 arrays."""
@@ -153,19 +188,37 @@ class LoraAdapter:
             for suffix, attr in KEY_SUFFIXES.items():
                 v = getattr(layer, attr)
                 if v is not None:
-                    out[f"{KEY_PREFIX}{name}.{suffix}"] = _to_host(v)
+                    host = backends.of(v).to_host(v)
+                    out[f"{KEY_PREFIX}{name}.{suffix}"] = np.ascontiguousarray(host, np.float32)
         return out
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
-        """Writes adapter_config.json and adapter_model.safetensors as PEFT does."""
+        """Writes adapter_config.json and adapter_model.safetensors as PEFT does, so that an
+        interrupted save leaves either the old files or the new ones, never a mix that loads
+        (see the module docstring)."""
         if not self.layers:
             raise ValueError("the adapter has no layers to save")
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        safetensors_io.save(self.state_dict(), d / WEIGHTS_FILE, metadata={"format": "pt"})
-        with atomic_write(d / CONFIG_FILE, "w") as f:
-            json.dump(self.peft_config(), f, indent=2, sort_keys=True)
-            f.write("\n")
+        config_text = (json.dumps(self.peft_config(), indent=2) + "\n").encode("utf-8")
+        metadata = {
+            "format": "pt",
+            CONFIG_DIGEST_KEY: hashlib.sha256(config_text).hexdigest(),
+        }
+        tensors = self.state_dict()
+        target = Path(directory)
+        if not target.exists():
+            _save_new_directory(target, tensors, metadata, config_text)
+            return
+        if not target.is_dir():
+            raise NotADirectoryError(f"{target}: exists and is not a directory")
+        remove_stale_temporaries(target, (WEIGHTS_FILE, CONFIG_FILE))
+        weights = safetensors_io.save_temporary(tensors, target / WEIGHTS_FILE, metadata)
+        try:
+            config = write_temporary(target / CONFIG_FILE, config_text)
+        except BaseException:
+            weights.unlink(missing_ok=True)
+            raise
+        replace_file(weights, target / WEIGHTS_FILE)
+        replace_file(config, target / CONFIG_FILE)
 
     @classmethod
     def from_pretrained(
@@ -174,87 +227,111 @@ class LoraAdapter:
         base: dict[str, Any],
         bias: dict[str, Any] | None = None,
     ) -> LoraAdapter:
-        """Reads an adapter written by PEFT (or by save_pretrained). `base` maps
-        "<module path>.weight" to the frozen weight: a dense array, or an NF4Tensor for QLoRA."""
+        """Reads an adapter written by PEFT (or by save_pretrained). `base` maps each module
+        path (with or without `.weight`) to the frozen weight: a dense array, or an
+        NF4Tensor for QLoRA. FormatError for anything malformed, naming file and field."""
         d = Path(directory)
-        config, raw = read_peft_config(d / CONFIG_FILE)
-        tensors = safetensors_io.load(d / WEIGHTS_FILE)
-        modules = _group_by_module(tensors)
-        adapter = cls(config, raw.get("base_model_name_or_path"))
+        config_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+        config = LoraConfig.from_peft(config_path)
+        raw = read_json(config_path)
+        with safetensors_io.SafeTensorsFile(weights_path) as f:
+            _check_pair(f.metadata, config_path, weights_path)
+            tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
+        modules = _group_by_module(tensors, weights_path)
+        if not modules:
+            raise FormatError(weights_path, "holds no LoRA tensors")
+        bases = {module_name(k): v for k, v in base.items()}
+        biases = {module_name(k.removesuffix(".bias")): v for k, v in (bias or {}).items()}
+        name_or_path = raw.get("base_model_name_or_path")
+        adapter = cls(config, name_or_path if isinstance(name_or_path, str) else None)
         for name, parts in sorted(modules.items()):
-            if "lora_A.weight" not in parts or "lora_B.weight" not in parts:
-                raise FormatError(f"{WEIGHTS_FILE}: module {name!r} lacks lora_A or lora_B")
-            key = f"{name}.weight"
-            if key not in base:
-                raise KeyError(f"the adapter has a layer {name!r} but base has no {key!r}")
-            a, b = parts["lora_A.weight"], parts["lora_B.weight"]
-            r = int(a.shape[0])
-            alpha = _pattern(raw.get("alpha_pattern") or {}, name, config.alpha)
-            layer_cfg = config.with_(r=r, alpha=float(alpha))
-            layer = adapter.add_layer(name, base[key], (bias or {}).get(f"{name}.bias"), layer_cfg)
-            if layer_cfg.use_dora and "lora_magnitude_vector" not in parts:
-                raise FormatError(
-                    f"{WEIGHTS_FILE}: DoRA module {name!r} lacks lora_magnitude_vector"
+            if name not in bases:
+                raise KeyError(
+                    f"the adapter has a layer {name!r} but base has no {name + '.weight'!r}"
                 )
-            layer.set_lora_a(np.asarray(a, np.float32))
-            layer.set_lora_b(np.asarray(b, np.float32))
+            layer_cfg = config.for_module(name)
+            _check_parts(parts, layer_cfg, name, weights_path)
+            layer = adapter.add_layer(name, bases[name], biases.get(name), layer_cfg)
+            layer.set_lora_a(parts["lora_A.weight"])
+            layer.set_lora_b(parts["lora_B.weight"])
             if layer_cfg.use_dora:
-                layer.set_lora_magnitude(np.asarray(parts["lora_magnitude_vector"], np.float32))
+                layer.set_lora_magnitude(parts["lora_magnitude_vector"])
         return adapter
 
 
-def _to_host(v: Any) -> np.ndarray:
-    if isinstance(v, np.ndarray):
-        return np.ascontiguousarray(v, np.float32)
-    import cupy
+def _save_new_directory(
+    target: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str], config: bytes
+) -> None:
+    """Builds the adapter in a temporary directory beside `target` and renames it into place:
+    `target` appears complete or not at all."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        staging.chmod(new_directory_mode())
+        replace_file(
+            safetensors_io.save_temporary(tensors, staging / WEIGHTS_FILE, metadata),
+            staging / WEIGHTS_FILE,
+        )
+        replace_file(write_temporary(staging / CONFIG_FILE, config), staging / CONFIG_FILE)
+        os.rename(staging, target)  # fails if target appeared meanwhile: nothing overwritten
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
-    return np.ascontiguousarray(cupy.asnumpy(v), np.float32)
+
+def _check_pair(metadata: dict[str, str], config_path: Path, weights_path: Path) -> None:
+    """Refuses weights that record the digest of another config than the one beside them."""
+    digest = metadata.get(CONFIG_DIGEST_KEY)
+    if digest is None:  # written by PEFT or another tool: nothing to check against
+        return
+    actual = hashlib.sha256(config_path.read_bytes()).hexdigest()
+    if actual != digest:
+        raise FormatError(
+            config_path,
+            f"does not belong with {weights_path.name} (an interrupted save, or files of two "
+            "different saves); save the adapter again",
+        )
 
 
-def _pattern(pattern: dict[str, Any], name: str, default: Any) -> Any:
-    """PEFT's rank/alpha patterns: the first key matching the end of the module path."""
-    for key, value in pattern.items():
-        if re.fullmatch(rf"(.*\.)?{key}", name):
-            return value
-    return default
-
-
-def _group_by_module(tensors: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+def _group_by_module(
+    tensors: dict[str, np.ndarray], path: Path
+) -> dict[str, dict[str, np.ndarray]]:
     modules: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         if not key.startswith(KEY_PREFIX):
-            raise FormatError(f"{WEIGHTS_FILE}: key {key!r} does not start with {KEY_PREFIX!r}")
+            raise FormatError(path, f"does not start with {KEY_PREFIX!r}", key)
         rest = key[len(KEY_PREFIX) :]
         for suffix in KEY_SUFFIXES:
             if rest.endswith("." + suffix):
                 modules.setdefault(rest[: -len(suffix) - 1], {})[suffix] = value
                 break
         else:
-            raise FormatError(f"{WEIGHTS_FILE}: key {key!r} is not a LoRA tensor nybble reads")
+            raise FormatError(path, "is not a LoRA tensor nybble reads", key)
     return modules
 
 
-def read_peft_config(path: Path) -> tuple[LoraConfig, dict[str, Any]]:
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FormatError(f"{path}: not found") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
-        found = raw.get("peft_type") if isinstance(raw, dict) else raw
-        raise FormatError(f"{path}: peft_type must be 'LORA', got {found!r}")
-    try:
-        targets = raw.get("target_modules") or ()
-        config = LoraConfig(
-            r=int(raw["r"]),
-            alpha=float(raw["lora_alpha"]),
-            dropout=float(raw.get("lora_dropout", 0.0)),
-            target_modules=targets if isinstance(targets, str) else tuple(targets),
-            use_rslora=bool(raw.get("use_rslora", False)),
-            use_dora=bool(raw.get("use_dora", False)),
-            fan_in_fan_out=bool(raw.get("fan_in_fan_out", False)),
+def _check_parts(parts: dict[str, np.ndarray], config: LoraConfig, name: str, path: Path) -> None:
+    """The tensors of one module: present, 2-D (1-D magnitude), float, rank as configured."""
+    for suffix in ("lora_A.weight", "lora_B.weight"):
+        if suffix not in parts:
+            raise FormatError(path, "missing", f"{KEY_PREFIX}{name}.{suffix}")
+    if config.use_dora and "lora_magnitude_vector" not in parts:
+        raise FormatError(
+            path, "missing (use_dora is set)", f"{KEY_PREFIX}{name}.lora_magnitude_vector"
         )
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{path}: missing or bad field ({e})") from None
-    return config, raw
+    for suffix, array in parts.items():
+        key = f"{KEY_PREFIX}{name}.{suffix}"
+        want = 1 if suffix == "lora_magnitude_vector" else 2
+        if array.ndim != want or (array.dtype.kind != "f" and array.dtype.name != "bfloat16"):
+            raise FormatError(
+                path,
+                f"expected a {want}-D float tensor, got {array.dtype} {list(array.shape)}",
+                key,
+            )
+    a, b = parts["lora_A.weight"], parts["lora_B.weight"]
+    if a.shape[0] != config.r or b.shape[1] != config.r:
+        raise FormatError(
+            path,
+            f"rank {a.shape[0]} (lora_B: {b.shape[1]}) but the config gives r={config.r}",
+            f"{KEY_PREFIX}{name}.lora_A.weight",
+        )

@@ -1,48 +1,135 @@
 """LoRA and QLoRA linear layers: a frozen base weight W [out, in] plus a trainable low-rank
 update, y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias), with PEFT's conventions (A [r, in] kaiming-
-uniform, B [out, r] zero, DoRA's detached row norm). `nybble.reference.lora_forward` and
-`lora_backward` state the same math in float64.
+uniform, B [out, r] zero, DoRA's detached row norm); docs/lora.md. `nybble.reference`'s
+`lora_forward` and `lora_backward` state the same math in float64.
 
-Arrays are float32 numpy on the CPU (products in the Rust core) or CuPy on the GPU.
+The layer's arrays live on one device (numpy on the CPU, CuPy on the GPU) and its work goes
+to that device's backend. Dtypes, the same rule on both devices: activations keep their dtype
+(float32, float16 or bfloat16 in gives the same out; float64 is computed and returned as
+float32); products sum in float32; the trainable parameters and their gradients are float32.
+On the CPU every product runs in float32 and only the result is rounded to the activation
+dtype; on the GPU the products take the activation dtype (cuBLAS, float32 sums), as PEFT does.
+
+Non-finite activations: on the CPU forward/backward raise NonFiniteError at once; on the GPU
+they are found on the device without a wait and raised by `check()`, which AdamW.step's own
+gradient check makes unnecessary in training (a NaN input gives NaN gradients).
+
+Threads: the state of a forward/backward pair (what backward needs, the gradients it fills)
+belongs to the thread that ran it, so threads sharing a layer each get their own gradients.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from typing import Any
 
 import numpy as np
 
-from .. import _arrays
+from .. import backends, formats
+from ..backends import Backend
+from ..errors import NonFiniteError
+from ..formats import OutputDtype, Packed
 from ..tensor import NF4Tensor, quantize
-from ._ops import DenseBase, QuantBase, is_gpu, mm, xp_of
 from .config import LoraConfig
 
 
-def _float_matrix(w: Any, what: str) -> np.ndarray:
-    """A float32 copy of a 2-D host or device array (the layer owns its weight)."""
-    if _arrays.is_cuda(w):
-        import cupy
+class _CallState(threading.local):
+    """One thread's forward/backward state."""
 
-        a = cupy.asarray(w)
-        xp: Any = cupy
-    else:
-        a = _arrays.as_host_array(w, what)
-        xp = np
-    if a.dtype.name not in _arrays.FLOAT_DTYPES:
-        raise ValueError(f"{what} has dtype {a.dtype.name}; expected a float dtype")
+    cache: dict[str, Any] | None = None
+    grad_a: Any = None
+    grad_b: Any = None
+    grad_magnitude: Any = None
+
+
+class DenseBase:
+    """A frozen dense weight W [out, in] (possibly a transposed view of the stored array)."""
+
+    def __init__(self, w: Any, backend: Backend) -> None:
+        self.w = w
+        self.backend = backend
+        self._casts: dict[str, Any] = {}  # W in a 16-bit activation dtype, made once
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.w.shape[0]), int(self.w.shape[1]))
+
+    def _as(self, dtype: Any) -> Any:
+        if dtype == self.w.dtype:
+            return self.w
+        name = formats.dtype_name(dtype)
+        cast = self._casts.get(name)
+        if cast is None:
+            cast = self._casts[name] = self.w.astype(dtype)
+        return cast
+
+    def forward(self, x: Any) -> Any:
+        """x @ Wᵀ"""
+        return self.backend.matmul(x, self._as(x.dtype).T)
+
+    def backward(self, dy: Any) -> Any:
+        """dy @ W"""
+        return self.backend.matmul(dy, self._as(dy.dtype))
+
+    def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
+        """||W + s·B·A|| per row."""
+        return self.backend.dora_row_norms(self.w, b, a, scaling)
+
+    def dense(self) -> Any:
+        return self.w
+
+    def changed(self) -> None:
+        """W was changed in place (merge, unmerge): its casts are stale."""
+        self._casts.clear()
+
+
+class QuantBase:
+    """A frozen quantized weight W [out, in]; products dequantize tiles, never all of W in
+    float32."""
+
+    def __init__(self, q: NF4Tensor) -> None:
+        self.q = q
+        self.packed: Packed = q.packed
+        self.backend = backends.of(q.codes)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def forward(self, x: Any) -> Any:
+        return self.backend.quantized_matmul(x, self.packed)
+
+    def backward(self, dy: Any) -> Any:
+        return self.backend.quantized_matmul(dy, self.packed, transpose=False)
+
+    def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
+        return self.backend.dora_row_norms(self.packed, b, a, scaling)
+
+    def dense(self) -> Any:
+        return self.q.dequantize("float32")
+
+    def changed(self) -> None:
+        pass
+
+
+def _float_matrix(w: Any, what: str) -> Any:
+    """A float32 copy of a 2-D host or device array (the layer owns its weight), finite."""
+    backend = backends.of(w)
+    a = backend.float_array(w, what)
     if a.ndim != 2:
         raise ValueError(f"{what} must be 2-D [out, in], got shape {tuple(a.shape)}")
-    out = xp.array(a, dtype=np.float32, copy=True)
-    if not _all_finite(out):
-        raise ValueError(f"{what} has non-finite values")
-    return out  # type: ignore[no-any-return]
+    out = backend.xp.array(a, dtype=np.float32, copy=True)
+    bad = backend.first_non_finite(out)
+    if bad is not None:
+        raise NonFiniteError(bad, what)
+    return out
 
 
-def _all_finite(a: Any) -> bool:
-    """No NaN or inf in `a`, without a temporary the size of `a` (max and min propagate NaN)."""
-    return a.size == 0 or bool(xp_of(a).isfinite(a.max()) and xp_of(a).isfinite(a.min()))
+def _dense_base(weight: Any, fan_in_fan_out: bool) -> DenseBase:
+    """The frozen base over a stored weight: [out, in], or [in, out] with fan_in_fan_out."""
+    return DenseBase(weight.T if fan_in_fan_out else weight, backends.of(weight))
 
 
 def _seed(config: LoraConfig, name: str) -> int:
@@ -66,39 +153,35 @@ class _LoraLayer:
         self.in_features, self.out_features = in_f, out_f
         self.scaling = config.scaling
         self.name = name
+        backend = self._base.backend
         rng = np.random.default_rng(_seed(config, name))
         if config.init == "kaiming":
             bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform(a=sqrt(5)) as PEFT initialises A
             a = rng.uniform(-bound, bound, size=(config.r, in_f))
         else:
             a = rng.normal(0.0, 1.0 / config.r, size=(config.r, in_f))
-        self.lora_a: Any = a.astype(np.float32)
-        self.lora_b: Any = np.zeros((out_f, config.r), np.float32)
+        self.lora_a: Any = backend.from_host(a.astype(np.float32))
+        self.lora_b: Any = backend.xp.zeros((out_f, config.r), np.float32)
         self.bias: Any = None
         if bias is not None:
-            b = _arrays.as_host_array(bias, "bias").astype(np.float32).reshape(-1)
-            if b.shape != (out_f,):
-                raise ValueError(f"bias must have shape ({out_f},), got {b.shape}")
-            self.bias = b
+            self.bias = self._checked(bias, (out_f,), "bias", backend)
         # DoRA: the magnitude starts at the row norms of W, so a fresh adapter changes nothing.
         self.lora_magnitude: Any = None
         if config.use_dora:
-            self.lora_magnitude = np.asarray(self._row_norms(), np.float32)
+            self.lora_magnitude = backend.xp.asarray(self._row_norms(), np.float32)
         self.training = True
         self.merged = False
         self.enabled = True
-        self.grad_a: Any = None
-        self.grad_b: Any = None
-        self.grad_magnitude: Any = None
+        self._calls = _CallState()
+        self._finite = backend.finite_check()
         self._dropout_rng = np.random.default_rng(_seed(config, name) + 1)
-        self._cache: dict[str, Any] | None = None
         self._merge_norms: Any = None
 
     # --- parameters -----------------------------------------------------------------------
 
     @property
-    def device(self) -> str:
-        return "cuda" if is_gpu(self.lora_a) else "cpu"
+    def device(self) -> backends.Device:
+        return self._base.backend.device
 
     @property
     def trainable_params(self) -> int:
@@ -116,6 +199,20 @@ class _LoraLayer:
         """Frozen base parameters per trainable parameter."""
         return self.in_features * self.out_features / self.trainable_params
 
+    @property
+    def grad_a(self) -> Any:
+        """dL/dA of this thread's last backward (None before one, or when the adapter was
+        inactive)."""
+        return self._calls.grad_a
+
+    @property
+    def grad_b(self) -> Any:
+        return self._calls.grad_b
+
+    @property
+    def grad_magnitude(self) -> Any:
+        return self._calls.grad_magnitude
+
     def parameters(self) -> dict[str, Any]:
         """The trainable arrays, by PEFT name (updated in place by an optimizer)."""
         p = {"lora_A.weight": self.lora_a, "lora_B.weight": self.lora_b}
@@ -124,22 +221,31 @@ class _LoraLayer:
         return p
 
     def gradients(self) -> dict[str, Any]:
-        """The gradients of the last backward (None where that backward made none)."""
+        """The gradients of this thread's last backward (None where it made none)."""
         g = {"lora_A.weight": self.grad_a, "lora_B.weight": self.grad_b}
         if self.lora_magnitude is not None:
             g["lora_magnitude_vector"] = self.grad_magnitude
         return g
 
-    def _set(self, value: Any, shape: tuple[int, ...], what: str) -> Any:
-        xp = xp_of(self.lora_a)
-        v = xp.asarray(_arrays.as_host_array(value, what) if xp is np else value)
+    def _checked(self, value: Any, shape: tuple[int, ...], what: str, backend: Backend) -> Any:
+        """`value` as a finite float32 array of `shape` on the layer's device (host values are
+        copied to a GPU layer)."""
+        source = backends.of(value)
+        v = source.float_array(value, what)
+        if source.device != backend.device:
+            if source.device != "cpu":
+                raise ValueError(f"{what} is on {source.device}, the layer on {backend.device}")
+            v = backend.from_host(v)
         if tuple(v.shape) != shape:
             raise ValueError(f"{what} must have shape {shape}, got {tuple(v.shape)}")
-        if v.dtype.name not in _arrays.FLOAT_DTYPES:
-            raise ValueError(f"{what} has dtype {v.dtype.name}; expected a float dtype")
         v = v.astype(np.float32)
-        if not _all_finite(v):
-            raise ValueError(f"{what} has non-finite values")
+        bad = backend.first_non_finite(v)
+        if bad is not None:
+            raise NonFiniteError(bad, what)
+        return v
+
+    def _set(self, value: Any, shape: tuple[int, ...], what: str) -> Any:
+        v = self._checked(value, shape, what, self._base.backend)
         if self.merged:
             raise ValueError(f"cannot set {what} while merged; unmerge() first")
         return v
@@ -171,144 +277,154 @@ class _LoraLayer:
         """Forward as the plain base layer (an unmerged adapter is simply skipped)."""
         self.enabled = False
 
+    def check(self) -> None:
+        """NonFiniteError if an activation or gradient given to this layer since the last
+        check held NaN or ±inf (on the GPU, where forward and backward do not wait for the
+        device to find out; on the CPU they raise at once and this does nothing)."""
+        self._finite.raise_pending()
+
     # --- forward / backward ---------------------------------------------------------------
 
     def _row_norms(self) -> Any:
         return self._base.row_norms(self.lora_b, self.lora_a, self.scaling)
 
-    def _input(self, x: Any) -> Any:
-        gpu = self.device == "cuda"
-        if gpu != _arrays.is_cuda(x):
-            raise ValueError(
-                f"x is on the {'GPU' if not gpu else 'CPU'} but the layer is on {self.device}"
-            )
-        if gpu:
-            import cupy
+    def _activation(
+        self, x: Any, what: str, width: int
+    ) -> tuple[Any, OutputDtype, tuple[int, ...]]:
+        """x as a 2-D array of the compute dtype, the dtype to return results in, and x's
+        leading shape."""
+        backend = self._base.backend
+        source = backends.of(x)
+        if source.device != backend.device:
+            raise ValueError(f"{what} is on {source.device} but the layer is on {backend.device}")
+        a = backend.float_array(x, what)
+        if a.ndim == 0 or a.shape[-1] != width:
+            raise ValueError(f"{what} must have shape [..., {width}], got {tuple(a.shape)}")
+        name = formats.dtype_name(a.dtype)
+        out: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
+        compute = np.float32 if backend.device == "cpu" else formats.numpy_dtype(out)
+        lead = tuple(a.shape[:-1])
+        a = backend.xp.ascontiguousarray(a.reshape(-1, width), dtype=compute)
+        self._finite.record(a, what)
+        return a, out, lead
 
-            a = cupy.asarray(x)
-        else:
-            a = _arrays.as_host_array(x, "x")
-        if a.dtype.name not in _arrays.FLOAT_DTYPES:
-            raise ValueError(f"x has dtype {a.dtype.name}; expected a float dtype")
-        if a.ndim == 0 or a.shape[-1] != self.in_features:
-            raise ValueError(f"x must have shape [..., {self.in_features}], got {tuple(a.shape)}")
-        if not gpu:
-            a = np.ascontiguousarray(a, dtype=np.float32)
-        elif a.dtype.name == "float64":
-            a = a.astype(np.float32)
-        if not _all_finite(a):
-            raise ValueError("x has non-finite values (NaN or inf)")
-        return a
+    def _result(self, y: Any, dtype: OutputDtype, shape: tuple[int, ...]) -> Any:
+        y = y.reshape(shape)
+        return y if formats.dtype_name(y.dtype) == dtype else y.astype(formats.numpy_dtype(dtype))
 
-    def _keep_mask(self, shape: tuple[int, ...], xp: Any, dtype: Any) -> Any:
+    def _keep_mask(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive."""
         p = self.config.dropout
         if not self.training or p == 0.0:
             return None
         keep = (self._dropout_rng.random(shape) >= p).astype(np.float32) / np.float32(1.0 - p)
-        return xp.asarray(keep, dtype=dtype)
+        return self._base.backend.xp.asarray(keep, dtype=dtype)
 
     def forward(self, x: Any) -> Any:
         """y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias) for x of shape [in] or [..., in]."""
-        x = self._input(x)
-        lead = tuple(x.shape[:-1])
-        x2 = x.reshape(-1, self.in_features)
-        xp = xp_of(x2)
+        x2, out_dtype, lead = self._activation(x, "x", self.in_features)
+        backend = self._base.backend
         y = self._base.forward(x2)
-        cache: dict[str, Any] = {"x_shape": tuple(x.shape), "active": False}
+        cache: dict[str, Any] = {"lead": lead, "active": False, "out_dtype": out_dtype}
         if self.enabled and not self.merged:
+            # The parameters in the compute dtype, cast once for this forward and its backward.
             a = self.lora_a.astype(x2.dtype, copy=False)
             b = self.lora_b.astype(x2.dtype, copy=False)
-            keep = self._keep_mask(tuple(x2.shape), xp, x2.dtype)
+            keep = self._keep_mask(tuple(x2.shape), x2.dtype)
             xd = x2 if keep is None else x2 * keep
-            h = mm(xd, a.T)  # [m, r]
-            cache.update(active=True, xd=xd, h=h, keep=keep)
+            h = backend.matmul(xd, a.T)  # [m, r]
+            cache.update(active=True, xd=xd, h=h, keep=keep, a=a, b=b)
             if self.lora_magnitude is None:
-                mm(h, b.T, alpha=self.scaling, out=y, accumulate=True)
+                backend.matmul(h, b.T, alpha=self.scaling, out=y, accumulate=True)
             else:
                 norms = self._row_norms()  # detached: a constant for the gradients
                 g = (self.lora_magnitude / norms).astype(y.dtype)
                 base_d = y if keep is None else self._base.forward(xd)
-                lora = mm(h, b.T, alpha=self.scaling)
+                lora = backend.matmul(h, b.T, alpha=self.scaling)
                 cache.update(g=g, norms=norms, dora_out=base_d + lora)
                 y += (g - 1) * base_d + g * lora
         if self.bias is not None:
-            y += xp.asarray(self.bias, dtype=y.dtype)
-        self._cache = cache
-        return y.reshape(*lead, self.out_features)
+            y += self.bias.astype(y.dtype, copy=False)
+        self._calls.cache = cache
+        return self._result(y, out_dtype, (*lead, self.out_features))
 
     __call__ = forward
 
     def backward(self, grad_y: Any) -> Any:
-        """grad_x for the last forward; fills grad_a, grad_b (and grad_magnitude). W is frozen."""
-        c = self._cache
+        """grad_x for this thread's last forward, in grad_y's dtype; fills grad_a, grad_b (and
+        grad_magnitude) in float32. W is frozen."""
+        c = self._calls.cache
         if c is None:
-            raise ValueError("backward() needs a forward() first")
-        out_shape = (*c["x_shape"][:-1], self.out_features)
-        if tuple(grad_y.shape) != out_shape:
-            raise ValueError(f"grad_y must have shape {out_shape}, got {tuple(grad_y.shape)}")
-        dy = self._input_grad(grad_y).reshape(-1, self.out_features)
+            raise ValueError("backward() needs a forward() first (in this thread)")
+        out_shape = (*c["lead"], self.out_features)
+        shape = tuple(getattr(grad_y, "shape", np.shape(grad_y)))
+        if shape != out_shape:
+            raise ValueError(f"grad_y must have shape {out_shape}, got {shape}")
+        dy, gx_dtype, _ = self._activation(grad_y, "grad_y", self.out_features)
+        calls = self._calls
+        in_shape = (*c["lead"], self.in_features)
         if not c["active"]:
-            self.grad_a = self.grad_b = self.grad_magnitude = None
-            return self._base.backward(dy).reshape(c["x_shape"])
-        xd, h, keep = c["xd"], c["h"], c["keep"]
-        a = self.lora_a.astype(dy.dtype, copy=False)
-        b = self.lora_b.astype(dy.dtype, copy=False)
+            calls.grad_a = calls.grad_b = calls.grad_magnitude = None
+            return self._result(self._base.backward(dy), gx_dtype, in_shape)
+        backend = self._base.backend
+        xd, h, keep, a, b = c["xd"], c["h"], c["keep"], c["a"], c["b"]
+        if dy.dtype != xd.dtype:  # a gradient in another dtype than the forward's activation
+            dy = dy.astype(xd.dtype)
         if self.lora_magnitude is None:
             dyg = dy
         else:
             g = c["g"]
-            self.grad_magnitude = (dy * c["dora_out"]).sum(axis=0).astype(np.float32) / c["norms"]
+            grad_m = (dy * c["dora_out"]).sum(axis=0).astype(np.float32) / c["norms"]
+            calls.grad_magnitude = grad_m
             dyg = dy * g
-        self.grad_b = mm(dyg.T, h, alpha=self.scaling).astype(np.float32, copy=False)
-        gh = mm(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
-        self.grad_a = mm(gh.T, xd).astype(np.float32, copy=False)
+        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling).astype(np.float32, copy=False)
+        gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
+        calls.grad_a = backend.matmul(gh.T, xd).astype(np.float32, copy=False)
         if self.lora_magnitude is None or keep is None:
             # Without DoRA, or DoRA without dropout: dx = dyg W + (gh A) ⊙ keep.
             dx = self._base.backward(dyg)
             if keep is None:
-                mm(gh, a, out=dx, accumulate=True)
+                backend.matmul(gh, a, out=dx, accumulate=True)
             else:
-                dx += mm(gh, a) * keep
+                dx += backend.matmul(gh, a) * keep
         else:
             # DoRA with dropout: y = x Wᵀ + (g-1)·(x_d Wᵀ) + g·s·(x_d Aᵀ Bᵀ).
             dx = self._base.backward(dy)
             dxd = self._base.backward(dy * (g - 1))
-            mm(gh, a, out=dxd, accumulate=True)
+            backend.matmul(gh, a, out=dxd, accumulate=True)
             dx += dxd * keep
-        return dx.reshape(c["x_shape"])
+        return self._result(dx, gx_dtype, in_shape)
 
-    def _input_grad(self, g: Any) -> Any:
-        if self.device == "cpu":
-            g = np.ascontiguousarray(_arrays.as_host_array(g, "grad_y"), dtype=np.float32)
-        if not _all_finite(g):
-            raise ValueError("grad_y has non-finite values (NaN or inf)")
-        return g
-
-    def _move(self, to: Any) -> None:
-        """Moves the adapter's arrays with `to` (cupy.asarray or cupy.asnumpy)."""
+    def _move(self, to: Backend) -> None:
+        """Moves the adapter's arrays to `to`'s device."""
+        source = backends.of(self.lora_a)
         for attr in ("lora_a", "lora_b", "lora_magnitude", "bias", "_merge_norms"):
             v = getattr(self, attr)
             if v is not None:
-                setattr(self, attr, to(v))
-        self.grad_a = self.grad_b = self.grad_magnitude = None
-        self._cache = None
+                setattr(self, attr, to.from_host(source.to_host(v)))
+        self._calls = _CallState()
+        self._finite = to.finite_check()
 
     # --- merging ----------------------------------------------------------------------------
 
     def delta_weight(self) -> Any:
         """s·B·A [out, in] in float32."""
-        return mm(self.lora_b, self.lora_a, alpha=self.scaling)
+        return self._base.backend.matmul(self.lora_b, self.lora_a, alpha=self.scaling)
 
     def _merged_dense(self, w: Any) -> tuple[Any, Any]:
         """(W + ΔW, or its DoRA form; the DoRA norms used) computed from the unmerged W."""
+        xp = self._base.backend.xp
         with np.errstate(over="ignore", invalid="ignore"):  # callers check finiteness
             merged = w + self.delta_weight()
-        if self.lora_magnitude is None:
-            return merged, None
-        xp = xp_of(merged)
-        norms = xp.linalg.norm(merged, axis=1).astype(np.float32)
-        return merged * (self.lora_magnitude / norms)[:, None], norms
+            if self.lora_magnitude is None:
+                return merged, None
+            norms = xp.linalg.norm(merged, axis=1).astype(np.float32)
+            return merged * (self.lora_magnitude / norms)[:, None], norms
+
+    def _merged_result(self, merged: Any, dtype: Any) -> Any:
+        name = formats.output_dtype(dtype)
+        m = merged.T if self.config.fan_in_fan_out else merged
+        return m.astype(formats.numpy_dtype(name))
 
 
 class LoraLinear(_LoraLayer):
@@ -316,7 +432,7 @@ class LoraLinear(_LoraLayer):
 
     def __init__(self, weight: Any, config: LoraConfig, bias: Any = None, name: str = "") -> None:
         self.weight = _float_matrix(weight, "weight")
-        self._base = DenseBase(self.weight.T if config.fan_in_fan_out else self.weight)
+        self._base = _dense_base(self.weight, config.fan_in_fan_out)
         self._init_adapter(config, bias, name)
 
     def merge(self) -> None:
@@ -326,11 +442,12 @@ class LoraLinear(_LoraLayer):
             raise ValueError("the adapter is already merged")
         w = self._base.dense()
         merged, norms = self._merged_dense(w)
-        if not _all_finite(merged):
+        if self._base.backend.first_non_finite(merged) is not None:
             raise ValueError(
                 "merging would put non-finite values into the weight; weight unchanged"
             )
         w[...] = merged
+        self._base.changed()
         self._merge_norms = norms
         self.merged = True
 
@@ -342,31 +459,25 @@ class LoraLinear(_LoraLayer):
         if self._merge_norms is not None:
             w *= (self._merge_norms / self.lora_magnitude)[:, None]
         w -= self.delta_weight()
+        self._base.changed()
         self._merge_norms = None
         self.merged = False
 
     def merged_weight(self, dtype: Any = "float32") -> Any:
         """W + ΔW in the stored layout, without changing the layer."""
-        name = _arrays.output_dtype(dtype)
         w = self._base.dense()
-        m = w if self.merged else self._merged_dense(w)[0]
-        m = m.T if self.config.fan_in_fan_out else m
-        return m.astype(_arrays.numpy_dtype(name))
+        return self._merged_result(w if self.merged else self._merged_dense(w)[0], dtype)
 
     def cuda(self) -> LoraLinear:
-        import cupy
-
-        self.weight = cupy.asarray(self.weight)
-        self._base = DenseBase(self.weight.T if self.config.fan_in_fan_out else self.weight)
-        self._move(cupy.asarray)
-        return self
+        return self._to(backends.get("cuda"))
 
     def cpu(self) -> LoraLinear:
-        import cupy
+        return self._to(backends.get("cpu"))
 
-        self.weight = cupy.asnumpy(self.weight)
-        self._base = DenseBase(self.weight.T if self.config.fan_in_fan_out else self.weight)
-        self._move(cupy.asnumpy)
+    def _to(self, to: Backend) -> LoraLinear:
+        self.weight = to.from_host(backends.of(self.weight).to_host(self.weight))
+        self._base = _dense_base(self.weight, self.config.fan_in_fan_out)
+        self._move(to)
         return self
 
 
@@ -403,10 +514,8 @@ class QLoraLinear(_LoraLayer):
 
     def merged_weight(self, dtype: Any = "float32") -> Any:
         """deq(W) + ΔW (DoRA form when enabled), without changing the layer."""
-        name = _arrays.output_dtype(dtype)
         merged = self._merged_dense(self.qweight.dequantize("float32"))[0]
-        merged = merged.T if self.config.fan_in_fan_out else merged
-        return merged.astype(_arrays.numpy_dtype(name))
+        return self._merged_result(merged, dtype)
 
     def memory_saved_bytes(self) -> int:
         """Bytes of a float32 base weight minus bytes of the quantized one."""
@@ -422,17 +531,13 @@ class QLoraLinear(_LoraLayer):
         raise ValueError("a QLoRA layer is never merged")
 
     def cuda(self) -> QLoraLinear:
-        import cupy
-
-        self.qweight = self.qweight.cuda()
-        self._base = QuantBase(self.qweight)
-        self._move(cupy.asarray)
-        return self
+        return self._to(backends.get("cuda"))
 
     def cpu(self) -> QLoraLinear:
-        import cupy
+        return self._to(backends.get("cpu"))
 
-        self.qweight = self.qweight.cpu()
+    def _to(self, to: Backend) -> QLoraLinear:
+        self.qweight = self.qweight.cuda() if to.device == "cuda" else self.qweight.cpu()
         self._base = QuantBase(self.qweight)
-        self._move(cupy.asnumpy)
+        self._move(to)
         return self

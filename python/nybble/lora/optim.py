@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._ops import xp_of
+from .. import backends
 
 
 class AdamW:
@@ -40,31 +40,38 @@ class AdamW:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.params = dict(params)
+        self._backend = backends.same(*self.params.values())
+        xp = self._backend.xp
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.accumulation_steps = int(accumulation_steps)
         self.max_grad_norm = max_grad_norm
         self.step_count = 0
         self.micro_steps = 0
-        self.m = {k: xp_of(p).zeros_like(p) for k, p in self.params.items()}
-        self.v = {k: xp_of(p).zeros_like(p) for k, p in self.params.items()}
-        self._accum = {k: xp_of(p).zeros_like(p) for k, p in self.params.items()}
+        self.m = {k: xp.zeros_like(p) for k, p in self.params.items()}
+        self.v = {k: xp.zeros_like(p) for k, p in self.params.items()}
+        self._accum = {k: xp.zeros_like(p) for k, p in self.params.items()}
+        self._finite = self._backend.finite_check()
         self.last_grad_norm: float | None = None
 
     def step(self, grads: Mapping[str, Any]) -> bool:
-        """Accumulates `grads` (None entries are skipped); applies an update when due."""
+        """Accumulates `grads` (None entries are skipped); applies an update when due. A
+        non-finite gradient raises NonFiniteError naming it, before any state changes (on the
+        GPU this is the step's one wait for the device)."""
         unknown = set(grads) - set(self.params)
         if unknown:
             raise KeyError(f"gradients for unknown parameters: {sorted(unknown)}")
-        for k, g in grads.items():
-            if g is None:
-                continue
+        given = {k: g for k, g in grads.items() if g is not None}
+        for k, g in given.items():
             if tuple(g.shape) != tuple(self.params[k].shape):
                 raise ValueError(
                     f"gradient {k!r} has shape {tuple(g.shape)}, "
                     f"expected {tuple(self.params[k].shape)}"
                 )
-            if not bool(xp_of(g).isfinite(g).all()):
-                raise ValueError(f"gradient {k!r} has non-finite values")
+            if backends.of(g).device != self._backend.device:
+                raise ValueError(f"gradient {k!r} is not on {self._backend.device}")
+            self._finite.record(g, f"gradient {k!r}")
+        self._finite.raise_pending()
+        for k, g in given.items():
             self._accum[k] += g
         self.micro_steps += 1
         if self.micro_steps < self.accumulation_steps:
@@ -73,8 +80,10 @@ class AdamW:
         return True
 
     def _apply(self) -> None:
+        xp = self._backend.xp
         scale = 1.0 / self.micro_steps
-        norm = math.sqrt(sum(float((a * a).sum()) for a in self._accum.values())) * scale
+        squares = sum((a * a).sum(dtype=np.float64) for a in self._accum.values())
+        norm = math.sqrt(float(squares)) * scale  # one read back on the GPU
         self.last_grad_norm = norm
         if self.max_grad_norm is not None and norm > self.max_grad_norm:
             scale *= self.max_grad_norm / (norm + 1e-6)
@@ -90,7 +99,7 @@ class AdamW:
             v *= b2
             v += (1 - b2) * g * g
             p *= np.float32(1 - self.lr * self.weight_decay)
-            p -= np.float32(self.lr) * (m / c1) / (xp_of(v).sqrt(v / c2) + np.float32(self.eps))
+            p -= np.float32(self.lr) * (m / c1) / (xp.sqrt(v / c2) + np.float32(self.eps))
             self._accum[k][...] = 0
         self.micro_steps = 0
 

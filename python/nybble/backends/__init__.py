@@ -1,0 +1,189 @@
+"""The backend seam. `of(array)` is the one place that decides which device an array lives
+on; each backend implements the same array primitives for its device and takes and returns
+arrays of that device:
+
+- `cpu`: numpy arrays, the work done by the Rust core (`nybble._core`);
+- `cuda`: CuPy arrays (torch CUDA tensors and other `__cuda_array_interface__` /
+  `__dlpack__` arrays are viewed without a copy), the work done by kernels/nf4.cu and cuBLAS.
+
+`NF4Tensor`, the layers, the optimizer and the trainer call the backend of their arrays and
+never ask which device they are on. docs/architecture.md shows the data flow.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from ..formats import Codebook, FloatDtype, KernelCodebook, NestedAbsmax, OutputDtype, Packed
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+Device = Literal["cpu", "cuda"]
+DEVICES: tuple[Device, ...] = ("cpu", "cuda")
+
+
+class FiniteCheck(Protocol):
+    """The promise that a non-finite input never passes silently, kept at the cost each device
+    allows: on the CPU `record` raises at once; on the GPU it scans on the device, without a
+    wait, and `raise_pending` (called where a wait happens anyway, or by the user) raises for
+    what was recorded since the last call."""
+
+    def record(self, a: Any, what: str) -> None:
+        """NonFiniteError (now or at the next `raise_pending`) if `a` holds NaN or ±inf."""
+        ...
+
+    def raise_pending(self) -> None:
+        """NonFiniteError naming the argument and the smallest bad flat index among the
+        arrays recorded as `what` since the last call (the first such `what` recorded)."""
+        ...
+
+
+class Backend(Protocol):
+    """The array primitives every device implements. Arrays are the backend's own (numpy or
+    CuPy); `Packed` carries a quantized tensor's arrays and format."""
+
+    device: Device
+    #: The array namespace (numpy or cupy), for elementwise math written once.
+    xp: ModuleType
+
+    # --- arrays in and out ---------------------------------------------------------------
+
+    def asarray(self, x: Any, what: str = "x") -> Any:
+        """A view of `x` as this backend's array (a copy only where a view is impossible,
+        e.g. another byte order)."""
+        ...
+
+    def float_array(self, x: Any, what: str = "x") -> Any:
+        """`asarray`, checked to be of a float dtype nybble reads (FLOAT_DTYPES)."""
+        ...
+
+    def to_host(self, a: Any) -> np.ndarray: ...
+
+    def from_host(self, a: np.ndarray) -> Any: ...
+
+    def first_non_finite(self, a: Any) -> int | None:
+        """The first flat index of a NaN or ±inf in `a`, or None. On the GPU this waits for
+        the device."""
+        ...
+
+    def finite_check(self) -> FiniteCheck:
+        """A new check of this device (see FiniteCheck)."""
+        ...
+
+    # --- the codec -----------------------------------------------------------------------
+
+    def quantize(
+        self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
+    ) -> tuple[Any, Any]:
+        """(codes, absmax) of a float array of any shape, in row-major flat order. A non-finite
+        value raises NonFiniteError naming its flat index."""
+        ...
+
+    def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
+        """`value(code) * absmax` in float32, rounded to `dtype`, shaped like q (into `out`
+        when given: an array of q's size and `dtype`, C-contiguous)."""
+        ...
+
+    def double_quantize(self, absmax: Any) -> NestedAbsmax: ...
+
+    def double_dequantize(self, nested: NestedAbsmax) -> Any:
+        """The float32 scales of double-quantized ones."""
+        ...
+
+    # --- layer math (float32 on the CPU; the activation dtype on the GPU) -----------------
+
+    def matmul(
+        self, a: Any, b: Any, alpha: float = 1.0, out: Any = None, accumulate: bool = False
+    ) -> Any:
+        """`alpha * a @ b` for 2-D a, b (any strides), into `out` or added to it."""
+        ...
+
+    def quantized_matmul(self, x: Any, w: Packed, transpose: bool = True) -> Any:
+        """`x @ W.T` (or `x @ W` when not `transpose`) for a 2-D quantized W [out, in] and a
+        2-D x, never holding all of W dequantized at once in float32."""
+        ...
+
+    def dora_row_norms(self, w: Any | Packed, b: Any, a: Any, scaling: float) -> Any:
+        """`||W + scaling * B @ A||` of each row of W [out, in] (dense, or quantized and
+        dequantized a tile at a time)."""
+        ...
+
+
+def of(x: Any) -> Backend:
+    """The backend of the device `x` lives on: `cuda` for CuPy arrays and any array in CUDA
+    memory (`__cuda_array_interface__`, or a `__dlpack__` device that is CUDA), `cpu` for
+    everything else. Importing CuPy happens only for CUDA arrays."""
+    if isinstance(x, np.ndarray):
+        return _cpu()
+    if _on_cuda(x):
+        return get("cuda")
+    return _cpu()
+
+
+def get(device: str) -> Backend:
+    """The backend by name ("cpu" or "cuda"); the GPU one needs CuPy (ImportError naming
+    the extra to install otherwise)."""
+    if device == "cpu":
+        return _cpu()
+    if device == "cuda":
+        from . import cuda
+
+        return cuda.backend()
+    raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+
+
+def same(*arrays: Any) -> Backend:
+    """The one backend of several arrays (None entries skipped), or ValueError naming the two
+    devices when they differ."""
+    found: Backend | None = None
+    for a in arrays:
+        if a is None:
+            continue
+        b = of(a)
+        if found is not None and b.device != found.device:
+            raise ValueError(f"arrays on different devices: {found.device} and {b.device}")
+        found = b
+    return found if found is not None else _cpu()
+
+
+def _cpu() -> Backend:
+    from . import cpu
+
+    return cpu.BACKEND
+
+
+#: DLPack device types of CUDA memory: kDLCUDA, kDLCUDAHost, kDLCUDAManaged.
+_DLPACK_CUDA = (2, 3, 13)
+
+
+def _on_cuda(x: Any) -> bool:
+    if type(x).__module__.split(".")[0] == "cupy":
+        return True
+    try:
+        if hasattr(x, "__cuda_array_interface__"):
+            return True
+    except Exception:  # torch raises KeyError (bfloat16) or RuntimeError (requires_grad) there
+        pass
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return False
+    try:
+        return int(device()[0]) in _DLPACK_CUDA
+    except Exception:
+        return False
+
+
+__all__ = [
+    "DEVICES",
+    "Backend",
+    "Codebook",
+    "Device",
+    "FiniteCheck",
+    "FloatDtype",
+    "get",
+    "of",
+    "same",
+]

@@ -1,0 +1,185 @@
+"""The compiled kernels: `kernels/nf4.cu`, compiled on first use and kept for the life of the
+process, one module per device and set of `-D` overrides (tuning builds), with the launch
+geometry each module defines (`LaunchFacts`, read back from the module itself).
+
+NVRTC is called directly (through CuPy's binding) rather than through `cupy.RawModule`,
+because CuPy appends `-ftz=true` to every RawModule compile: flushing subnormals to zero would
+break bit-exactness with the CPU codec (tiny blocks, subnormal products). It compiles to the
+device's machine code (CUBIN), not PTX: a newer NVRTC writes PTX that an older driver rejects
+(seen with CUDA 13 on an H100: CUDA_ERROR_INVALID_IMAGE).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ... import _core
+
+#: The source file (embedded in the extension by build.rs; `_core.kernel_sources()`).
+KERNEL_FILE = "nf4.cu"
+#: NVRTC options besides the architecture; the CI check compiles with the same. NVRTC's
+#: defaults keep IEEE semantics: no flush to zero, IEEE division and square root.
+OPTIONS = ("-std=c++17",)
+#: The module variable holding the launch facts (kernels/nf4.cu, at its end).
+FACTS_SYMBOL = "launch_facts"
+#: Tokens the fused GEMV takes in one launch (more go through dequantize + cuBLAS, which is
+#: faster beyond 8 on an H100: benchmarks/gpu_codec.py measures the crossover). The kernels
+#: are compiled with it (-DTC_TOKENS): this is its one definition.
+GEMV_MAX_TOKENS = 8
+#: The definitions every compile passes: the facts the host owns.
+HOST_DEFINES = (f"TC_TOKENS={GEMV_MAX_TOKENS}",)
+#: CUDA's CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED = 8
+#: cudaMemcpyDeviceToHost
+_DEVICE_TO_HOST = 2
+
+
+@dataclass(frozen=True)
+class LaunchFacts:
+    """The launch geometry a module's kernels were compiled with, in the order of the source's
+    `launch_facts` array."""
+
+    threads: int  # every codec kernel's block
+    dequant_per_block_f32: int  # outputs per dequantize block, by output dtype
+    dequant_per_block_f16: int
+    dequant_per_block_bf16: int
+    quant_per_block_f32: int  # inputs per quantize block, by input dtype
+    quant_per_block_f16: int
+    quant_per_block_bf16: int
+    scan_per_block_f32: int  # inputs per non-finite scan block, by input dtype
+    scan_per_block_f16: int
+    scan_per_block_bf16: int
+    gemv_threads: int  # the float32 GEMV
+    gemv_rows: int
+    gemv_tokens: int
+    tc_threads: int  # the tensor-core GEMV
+    tc_rows: int
+    tc_shared_g32: int  # its dynamic shared memory, groups of 32 / 64 elements
+    tc_shared_g64: int
+
+    def dequant_per_block(self, dtype: str) -> int:
+        return int(getattr(self, f"dequant_per_block_{SUFFIX[dtype]}"))
+
+    def quant_per_block(self, dtype: str) -> int:
+        return int(getattr(self, f"quant_per_block_{SUFFIX[dtype]}"))
+
+    def scan_per_block(self, dtype: str) -> int:
+        return int(getattr(self, f"scan_per_block_{SUFFIX[dtype]}"))
+
+    def tc_shared(self, group: int) -> int:
+        return self.tc_shared_g64 if group == 64 else self.tc_shared_g32
+
+
+#: Kernel name suffixes by element dtype.
+SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def source() -> str:
+    """The kernel source shipped in the extension, or with `NYBBLE_KERNELS_DIR` set, the file
+    in that directory (for kernel work without rebuilding the extension)."""
+    directory = os.environ.get("NYBBLE_KERNELS_DIR")
+    if directory:
+        return (Path(directory) / KERNEL_FILE).read_text()
+    return _core.kernel_sources()[KERNEL_FILE]
+
+
+def _nvrtc() -> Any:
+    try:
+        from cupy_backends.cuda.libs import nvrtc  # type: ignore[import-not-found,import-untyped]
+    except ImportError:  # older CuPy layouts
+        from cupy.cuda import nvrtc
+    return nvrtc
+
+
+def compile_options(arch: str, defines: Sequence[str] = ()) -> list[str]:
+    """NVRTC options for compute capability `arch` (e.g. "90") with `-D` `defines` such as
+    "TC_STAGES=4"; the CI compile check uses the same."""
+    every = (*HOST_DEFINES, *defines)
+    return [*OPTIONS, f"--gpu-architecture=sm_{arch}", *(f"-D{d}" for d in every)]
+
+
+def compile_cubin(arch: str, defines: Sequence[str] = (), source_text: str | None = None) -> bytes:
+    """Machine code of the kernels (or of `source_text`) for compute capability `arch`."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source_text or source(), KERNEL_FILE, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, compile_options(arch, defines))
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"{KERNEL_FILE} does not compile: {e}\n{log}") from None
+        return bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class KernelModule:
+    """The kernels compiled for one device (with optional `-D` overrides): functions by name,
+    and the launch facts the module defines."""
+
+    def __init__(self, device: int, defines: tuple[str, ...] = (), source_text: str | None = None):
+        import cupy
+        from cupy.cuda import function as cuda_function
+
+        self.device = device
+        self.defines = defines
+        with cupy.cuda.Device(device) as dev:
+            self._module = cuda_function.Module()
+            self._module.load(compile_cubin(dev.compute_capability, defines, source_text))
+            self.facts = self._read_facts()
+            self.multiprocessors = int(dev.attributes["MultiProcessorCount"])
+        self._functions: dict[tuple[str, int], Any] = {}
+
+    def _read_facts(self) -> LaunchFacts:
+        from cupy.cuda import runtime
+
+        count = len(fields(LaunchFacts))
+        host = (ctypes.c_longlong * count)()
+        address = int(self._module.get_global_var(FACTS_SYMBOL))  # cuModuleGetGlobal
+        runtime.memcpy(ctypes.addressof(host), address, ctypes.sizeof(host), _DEVICE_TO_HOST)
+        return LaunchFacts(*(int(v) for v in host))
+
+    def function(self, name: str, dynamic_shared: int = 0) -> Any:
+        """The kernel `name`, allowed `dynamic_shared` bytes of dynamic shared memory (beyond
+        48 KiB a kernel must ask for it)."""
+        key = (name, dynamic_shared)
+        kernel = self._functions.get(key)
+        if kernel is None:
+            from cupy.cuda import driver
+
+            kernel = self._module.get_function(name)
+            if dynamic_shared:
+                driver.funcSetAttribute(kernel.ptr, _MAX_DYNAMIC_SHARED, dynamic_shared)
+            self._functions[key] = kernel
+        return kernel
+
+    def resident_blocks(self, kernel: Any, threads: int, dynamic_shared: int) -> int:
+        """How many blocks of `kernel` the GPU holds at once: multiprocessors times the blocks
+        each holds."""
+        from cupy.cuda import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.ptr, threads, dynamic_shared
+        )
+        return max(1, int(per_sm)) * self.multiprocessors
+
+
+_modules: dict[tuple[int, tuple[str, ...]], KernelModule] = {}
+
+
+def module(defines: Sequence[str] = (), device: int | None = None) -> KernelModule:
+    """The kernels on `device` (default: the current one), compiling them the first time."""
+    if device is None:
+        import cupy
+
+        device = int(cupy.cuda.runtime.getDevice())
+    key = (device, tuple(defines))
+    found = _modules.get(key)
+    if found is None:
+        found = _modules[key] = KernelModule(device, key[1])
+    return found
