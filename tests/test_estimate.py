@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nybble
+from nybble.errors import FormatError
 from nybble.memory import (
     BREAKDOWN_KEYS,
     DEFAULT_OUTSIDE_ALLOCATOR,
@@ -264,6 +265,7 @@ def test_config_json_path_and_dict(tmp_path: Path) -> None:
 def test_head_dim_defaults_to_hidden_over_heads() -> None:
     a = Architecture.from_config(
         dict(
+            model_type="llama",
             hidden_size=512,
             intermediate_size=1024,
             num_hidden_layers=2,
@@ -280,8 +282,9 @@ def test_config_missing_a_field_names_it(tmp_path: Path, missing: str) -> None:
     del cfg[missing]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=repr(missing)):
+    with pytest.raises(FormatError) as e:
         estimate_memory(str(path))
+    assert e.value.field == missing and e.value.source == str(path)
 
 
 def test_unknown_preset_lists_the_known_ones() -> None:

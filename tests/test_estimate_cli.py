@@ -77,10 +77,10 @@ def test_bad_input_is_one_line_and_exit_1(
 
 def test_missing_config_field_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}))
     assert main(["estimate", str(path)]) == 1
     err = capsys.readouterr().err
-    assert "'intermediate_size'" in err and err.count("\n") == 1
+    assert "intermediate_size" in err and str(path) in err and err.count("\n") == 1
 
 
 def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,3 +104,156 @@ def test_a_closed_pipe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["estimate", "tiny", "--json"]) == 0
+
+
+# --- a CLI that explains itself (issue 19) ----------------------------------------------
+
+
+def test_help_shows_defaults_gpus_units_and_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for needle in ("default: 2048", "default: 16", "default: plain", "rtx4090", "H100 80GB"):
+        assert needle in out, needle
+    assert "24GB = 24GiB" in out and "examples:" in out and "--context" in out
+    assert 'pip install "nybble[plot]"' in out
+
+
+@pytest.mark.parametrize("name", ["h100", "H100-80GB", "a100", "rtx4090", "RTX 4090", "A100-40G"])
+def test_gpu_names_are_read_loosely(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "-s", "64", "--json", "--gpu", name]) == 0
+    gpu = json.loads(capsys.readouterr().out)["gpu"]
+    assert gpu["fits"] is True and gpu["bytes"] > 20 * 2**30
+
+
+def test_a_misspelt_gpu_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "--gpu", "rtx4900"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean" in err and "rtx4090" in err
+
+
+def test_gpu_sizes_are_binary_like_the_labels(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "-s", "64", "--json", "--gpu", "24GB"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["bytes"] == 24 * 2**30
+
+
+def test_outside_part_margin_and_context_override(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "-s", "64", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["breakdown"]["outside_allocator"] == d["context_bytes"] == 751 * 2**20
+    assert d["total_bytes"] == sum(d["breakdown"].values())
+    assert d["margin_bytes"] > 0
+    assert main(["estimate", "tiny", "-s", "64", "--json", "--context", "1GiB"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    assert e["context_bytes"] == e["breakdown"]["outside_allocator"] == 2**30
+    assert e["total_bytes"] - d["total_bytes"] == 2**30 - 751 * 2**20
+    assert e["context_source"] == "given"
+
+
+def test_table_shows_the_outside_part_and_the_margin(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "-s", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "outside allocator" in out and "allocator cache" in out and "margin:" in out
+
+
+def test_when_nothing_fits_the_smallest_change_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "qwen3-0.6b", "-s", "2048", "--no-grad-checkpointing"]
+    assert main([*args, "--gpu", "rtx4060", "--json"]) == 0
+    gpu = json.loads(capsys.readouterr().out)["gpu"]
+    assert gpu["fits"] is False
+    settings = [x["setting"] for x in gpu["suggestions"]]
+    assert settings[0] == "grad_checkpointing"
+    assert all(x["total_bytes"] <= gpu["bytes"] for x in gpu["suggestions"])
+    assert main([*args, "--gpu", "rtx4060"]) == 0
+    assert "smallest change that fits: turn gradient checkpointing on" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["tiny", "--gpu", "99999999999999999999"],
+        ["tiny", "--gpu", "1e400"],
+        ["tiny", "--context", "-1"],
+        ["tiny", "--batch", "99999999999999999999"],
+        ["tiny", "--lora-dropout", "nan"],
+        ["tiny", "--loop", "weird"],
+    ],
+)
+def test_absurd_values_end_in_one_line(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(["estimate", *args])
+    except SystemExit as e:  # argparse refuses choices itself: usage, exit 2
+        rc = int(e.code or 0) if isinstance(e.code, int) else 2
+        assert rc == 2
+        return
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_special_files_are_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import time
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        t0 = time.monotonic()
+        assert main(["estimate", path]) == 1
+        assert time.monotonic() - t0 < 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_hub_id_from_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nybble.memory import MODEL_PRESETS
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert main(["estimate", "Qwen/Qwen3-4B", "-s", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json" in err and "Qwen/Qwen3-4B" in err
+    snapshot = tmp_path / "models--Qwen--Qwen3-4B" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(MODEL_PRESETS["qwen3-4b"]))
+    (tmp_path / "models--Qwen--Qwen3-4B" / "refs").mkdir()
+    (tmp_path / "models--Qwen--Qwen3-4B" / "refs" / "main").write_text("0123abcd")
+    assert main(["estimate", "Qwen/Qwen3-4B", "-s", "64", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["model"] == "Qwen/Qwen3-4B" and d["parameters"] == 4_022_468_096
+
+
+def test_missing_matplotlib_is_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "mem.png"
+    assert main(["estimate", "tiny", "-s", "64", "--plot", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nybble[plot]" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_the_installed_entry_point() -> None:
+    """`nybble estimate` as a user runs it: the console script of the installed package."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nybble") or str(Path(sys.executable).parent / "nybble")
+    if not Path(exe).exists():
+        pytest.skip("the nybble console script is not installed here")
+    done = subprocess.run(
+        [exe, "estimate", "tiny", "-s", "64", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["total_bytes"] > 0
+    bad = subprocess.run(
+        [exe, "estimate", "tiny", "--gpu", "lots"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1
+    usage = subprocess.run([exe, "estimate"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2

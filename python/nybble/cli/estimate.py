@@ -1,44 +1,134 @@
-"""`nybble estimate`: will a QLoRA fine-tune fit on my GPU? (SPEC §5)"""
+"""`nybble estimate`: will a QLoRA fine-tune fit on my GPU? (SPEC §5, docs/estimator.md)"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..memory import MODEL_PRESETS, estimate_memory, parse_size
-from ..memory.estimate import MemoryEstimate
-from ..memory.frameworks import BREAKDOWN_KEYS, FRAMEWORKS
+from ..memory import GPUS, LOOPS, MODEL_PRESETS, estimate_memory
+from ..memory.estimate import MemoryEstimate, seq_len_step
+from ..memory.frameworks import FRAMEWORKS
+from ..memory.parts import BREAKDOWN_KEYS, DESCRIPTIONS
 from ..memory.presets import GiB
-from ._common import atomic_write, format_table, print_json
+from ..memory.runtime import DEFAULT_OUTSIDE_ALLOCATOR
+from ._common import CliError, atomic_write, format_table, print_json
+
+_DESCRIPTION = """\
+Estimate the GPU memory of a (Q)LoRA fine-tune (transformers + PEFT + bitsandbytes): all the
+memory the training process holds at the peak of a steady training step, as NVML reports it
+for the process, and whether it fits on a GPU. The run's allocations are replayed through a
+simulation of PyTorch's caching allocator, from the model load through the training steps.
+
+MODEL is a preset ({presets}),
+a path to a Hugging Face config.json (or its folder), or a Hub id such as Qwen/Qwen3-4B whose
+config.json is in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or
+~/.cache/huggingface/hub; nothing is downloaded).
+"""
+
+_EPILOG = """\
+sizes (--gpu, --context): binary units, as GPU makers label cards: 24GB = 24GiB = 24 x 2^30
+bytes; also MB/MiB, KB/KiB, TB/TiB, or a plain number of bytes.
+
+GPUs (--gpu; case, spaces and dashes are ignored: H100-80GB, h100, "RTX 4090"):
+{gpus}
+  a100 and h100 mean their 80 GB versions.
+
+examples:
+  nybble estimate qwen3-4b --gpu rtx4090
+  nybble estimate llama-3.1-8b -b 4 -s 1024 --gpu a100-40g --json
+  nybble estimate ./my-model/config.json --no-grad-checkpointing --gpu 24GB
+  nybble estimate Qwen/Qwen3-4B --gpu l4 --plot qwen3-4b.png   (plot: pip install "nybble[plot]")
+
+exit codes: 0 done, 1 bad input (one line on stderr), 2 usage.
+"""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every option's help; description and epilog kept as written."""
+
+
+def _gpu_table() -> str:
+    rows = [
+        f"{name} ({spec.label}, {spec.total_bytes / GiB:.2f} GiB)" for name, spec in GPUS.items()
+    ]
+    lines, line = [], " "
+    for row in rows:
+        if len(line) + len(row) + 2 > 96:
+            lines.append(line.rstrip(","))
+            line = " "
+        line += f" {row},"
+    lines.append(line.rstrip(","))
+    return "\n".join(lines)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "estimate",
-        help="estimate peak GPU memory of a (Q)LoRA fine-tune; will it fit?",
-        description=(
-            "Estimate the peak GPU memory of one (Q)LoRA training step. MODEL is a preset "
-            f"({', '.join(sorted(MODEL_PRESETS))}), a path to a Hugging Face config.json, "
-            "or its folder."
-        ),
+        help="estimate the GPU memory of a (Q)LoRA fine-tune; will it fit?",
+        description=_DESCRIPTION.format(presets=", ".join(MODEL_PRESETS)),
+        epilog=_EPILOG.format(gpus=_gpu_table()),
+        formatter_class=_Formatter,
     )
-    p.add_argument("model", metavar="MODEL")
-    p.add_argument("--gpu", help="GPU memory: a size (24GiB, 16GB) or a name (rtx4090, a100-40g)")
-    p.add_argument("--quant", default="nf4", help="base weights: nf4, fp4, int8, bf16, f16, f32")
-    p.add_argument("--blocksize", type=int, default=64)
-    p.add_argument("--no-double-quant", dest="double_quant", action="store_false")
-    p.add_argument("--lora-r", "-r", type=int, default=16)
-    p.add_argument("--targets", default="all-linear", help="all-linear or q_proj,v_proj,...")
-    p.add_argument("--lora-dtype", default="float32")
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    p.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd")
-    p.add_argument("--batch", "-b", type=int, default=1)
-    p.add_argument("--seq-len", "-s", type=int, default=2048)
-    p.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
-    p.add_argument("--compute-dtype", default="bfloat16")
-    p.add_argument("--framework", default="peft-bnb", help=", ".join(sorted(FRAMEWORKS)))
+    p.add_argument("model", metavar="MODEL", help="preset, config.json path or cached Hub id")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU to answer for: a name (see below) or a size (24GB); adds the verdict, the "
+        "largest batch and sequence that fit, and what to change when it does not fit",
+    )
+    p.add_argument(
+        "--quant", default="nf4", help="base weights: nf4, fp4, int8, or bf16/f16/f32 (plain LoRA)"
+    )
+    p.add_argument("--blocksize", type=int, default=64, help="quantization block size")
+    p.add_argument(
+        "--no-double-quant",
+        dest="double_quant",
+        action="store_false",
+        help="quantize the scales too (bnb_4bit_use_double_quant) unless given",
+    )
+    p.add_argument("--lora-r", "-r", type=int, default=16, help="LoRA rank")
+    p.add_argument(
+        "--targets",
+        default="all-linear",
+        help="LoRA target modules: all-linear, attention, mlp, or names (q_proj,v_proj,...)",
+    )
+    p.add_argument("--lora-dtype", default="float32", help="dtype of the LoRA weights")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout probability")
+    p.add_argument("--optimizer", default="adamw", help="adamw (torch), adamw8bit (bnb), sgd")
+    p.add_argument("--batch", "-b", type=int, default=1, help="sequences per step")
+    p.add_argument("--seq-len", "-s", type=int, default=2048, help="tokens per sequence")
+    p.add_argument(
+        "--no-grad-checkpointing",
+        dest="grad_checkpointing",
+        action="store_false",
+        help="gradient checkpointing is on unless given",
+    )
+    p.add_argument("--compute-dtype", default="bfloat16", help="bnb_4bit_compute_dtype")
+    p.add_argument(
+        "--framework", default="peft-bnb", help=f"runtime modelled: {', '.join(FRAMEWORKS)}"
+    )
+    p.add_argument(
+        "--loop",
+        default="plain",
+        choices=LOOPS,
+        help="training loop: plain (new batch each step, no attention mask; SPEC §5) or "
+        "benchmark (benchmarks/memory/measure_peft_bnb.py's fixed batch)",
+    )
+    p.add_argument(
+        "--context",
+        default=None,
+        metavar="SIZE",
+        help="process memory outside torch's allocator (CUDA context and kernels) if you "
+        "measured it (NVML process memory minus memory_reserved() after a step); default: "
+        f"{DEFAULT_OUTSIDE_ALLOCATOR >> 20}MiB, measured on an H100 with CUDA 13, torch 2.11",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--plot", metavar="OUT.png", help="write a PNG of memory vs sequence length")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="write a PNG of memory against sequence length (needs the plot extra)",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,23 +148,27 @@ def run(args: argparse.Namespace) -> int:
         grad_checkpointing=args.grad_checkpointing,
         compute_dtype=args.compute_dtype,
         framework=args.framework,
+        loop=args.loop,
+        context=args.context,
+        gpu=args.gpu,
     )
-    gpu = parse_size(args.gpu) if args.gpu else None
     report: dict[str, Any] = est.to_dict()
-    if gpu is not None:
-        report["gpu"] = dict(
-            name=args.gpu,
-            bytes=gpu,
-            fits=est.fits(gpu),
-            headroom_bytes=est.headroom(gpu),
-            max_batch=est.max_batch(gpu),
-            max_seq_len=est.max_seq_len(gpu),
-        )
+    if est.gpu is not None:
+        gpu = report["gpu"]
+        gpu["max_batch"] = est.max_batch()
+        gpu["max_seq_len"] = est.max_seq_len(multiple_of=seq_len_step(est.setup.seq_len))
+        gpu["suggestions"] = [
+            dict(setting=x.setting, value=x.value, total_bytes=x.total_bytes, change=x.description)
+            for x in est.suggestions()
+        ]
     if args.plot:
-        from ..memory.plot import plot_seq_len
+        try:
+            from ..memory.plot import plot_seq_len
 
-        with atomic_write(args.plot) as f:
-            plot_seq_len(est, f, gpu, args.gpu)
+            with atomic_write(args.plot) as f:
+                plot_seq_len(est, f)
+        except ImportError as e:
+            raise CliError(str(e)) from None
         report["plot"] = args.plot
     if args.json:
         print_json(report)
@@ -90,35 +184,61 @@ def _gib(n: int) -> str:
 def render(est: MemoryEstimate, report: dict[str, Any]) -> str:
     s = est.setup
     a = s.arch
+    moe = f", {a.num_experts} experts ({a.experts_per_token} per token)" if a.is_moe else ""
     head = (
-        f"{a.name}: {a.num_parameters / 1e9:.2f}B parameters, {a.num_layers} layers, "
-        f"LoRA r={s.lora_r} on {len(s.targets)} projections "
+        f"{a.name}: {a.num_parameters / 1e9:.2f}B parameters, {a.num_layers} layers{moe}, "
+        f"LoRA r={s.lora_r} on {len(s.targets)} kinds of linear layer "
         f"({report['lora_parameters'] / 1e6:.1f}M trainable)\n"
         f"{s.quant}{' +double quant' if s.double_quant else ''}, {s.optimizer}, batch {s.batch} "
         f"x {s.seq_len} tokens, gradient checkpointing "
-        f"{'on' if s.grad_checkpointing else 'off'}, framework {est.framework}"
+        f"{'on' if s.grad_checkpointing else 'off'}, {s.loop} loop, framework {est.framework}"
     )
     rows: list[list[Any]] = []
     for key in BREAKDOWN_KEYS:
         n = est.breakdown[key]
-        rows.append([key.replace("_", " "), _gib(n), f"{100 * n / est.total_bytes:.1f}%"])
-    rows.append(["total", _gib(est.total_bytes), "100.0%"])
-    table = format_table(["component", "GiB", "share"], rows)
+        rows.append(
+            [key.replace("_", " "), _gib(n), f"{100 * n / est.total_bytes:.1f}%", DESCRIPTIONS[key]]
+        )
+    rows.append(["total", _gib(est.total_bytes), "100.0%", "what the process holds at the peak"])
+    table = format_table(["part", "GiB", "share", "what"], rows)
     lines = [head, "", table, ""]
     lines.append(
-        f"peak at: {est.peak_phase}; allocated peak {_gib(est.allocated_peak_bytes)} GiB, "
-        f"reserved peak {_gib(est.reserved_peak_bytes)} GiB, "
-        f"CUDA context {_gib(est.context_bytes)} GiB"
+        f"peak in: {est.peak_phase}; allocated {_gib(est.allocated_peak_bytes)} GiB, reserved "
+        f"{_gib(est.reserved_peak_bytes)} GiB, outside the allocator {_gib(est.context_bytes)} "
+        f"GiB ({est.context_source})"
+    )
+    lines.append(
+        f"margin: a run whose allocator history differs may reserve up to "
+        f"{_gib(est.margin_bytes)} GiB more (one more block for the step's largest tensor): "
+        f"plan with {_gib(est.total_bytes)} GiB, {_gib(est.total_bytes + est.margin_bytes)} GiB "
+        "to be safe"
     )
     lines += [f"note: {n}" for n in est.notes]
     gpu = report.get("gpu")
     if gpu:
-        verdict = "fits" if gpu["fits"] else "does NOT fit"
+        if gpu["fits"]:
+            verdict = "fits" if gpu["fits_with_margin"] else "fits, but not with the margin"
+        else:
+            verdict = "does NOT fit"
         lines.append(
-            f"{gpu['name']} ({_gib(gpu['bytes'])} GiB): {verdict}, headroom "
+            f"{gpu['name']} ({gpu['label']}, {_gib(gpu['bytes'])} GiB): {verdict}, headroom "
             f"{_gib(gpu['headroom_bytes'])} GiB; largest batch at seq_len {s.seq_len}: "
-            f"{gpu['max_batch']}; longest seq_len at batch {s.batch}: {gpu['max_seq_len']}"
+            f"{gpu['max_batch']}; longest seq_len at batch {s.batch} (a multiple of "
+            f"{seq_len_step(s.seq_len)}): {gpu['max_seq_len']}"
         )
+        suggestions = gpu.get("suggestions") or []
+        if suggestions:
+            first, *others = suggestions
+            lines.append(
+                f"smallest change that fits: {first['change']} ({_gib(first['total_bytes'])} GiB)"
+            )
+            for other in others:
+                lines.append(f"  or: {other['change']} ({_gib(other['total_bytes'])} GiB)")
+        elif not gpu["fits"]:
+            lines.append(
+                "no change of batch, sequence length, checkpointing, rank or double "
+                "quantization makes it fit: the weights alone need more (see the table)"
+            )
     if "plot" in report:
         lines.append(f"plot written to {report['plot']}")
     return "\n".join(lines)

@@ -2,25 +2,47 @@
 
 The estimator needs the shapes of every weight (to size quantized and unquantized storage and
 the LoRA adapters) and the attention geometry (GQA, explicit head_dim) that sizes activations.
-Llama-family decoders are covered: Llama, Mistral, Qwen2/Qwen3 and the like (RMSNorm, rotary
-embeddings, SwiGLU MLP, optional tied embeddings, optional q/k norms and attention biases).
+Covered, by `model_type` (`MODEL_TYPES`): Llama-family decoders (Llama, Mistral, Qwen2, Qwen3:
+RMSNorm, rotary embeddings, SwiGLU MLP, optional tied embeddings, q/k norms and attention
+biases) and their mixture-of-experts versions (Mixtral, Qwen2-MoE, Qwen3-MoE). Anything else is
+refused: a config whose fields the estimator does not understand is never read as another.
+
+Every field is checked for type and range, and a bad one raises `FormatError` naming the
+config and the field; config files are read only when they are regular files of at most
+`MAX_CONFIG_BYTES`.
+
+Mixture of experts as transformers 5 builds it: the experts of a layer are two fused 3-D
+parameters (`gate_up_proj`: experts x 2*intermediate x hidden, `down_proj`), not `nn.Linear`
+modules, so bitsandbytes leaves them in bf16 (and `prepare_model_for_kbit_training` makes them
+float32) and PEFT's all-linear puts no adapter on them; the router is a plain parameter too.
+A shared expert (Qwen2-MoE) is an ordinary MLP of `nn.Linear`s, quantized and adapted, and so
+is its one-output gate.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ._errors import FormatError
+
 #: The linear layers of one decoder layer, in PEFT's module names.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+#: Qwen2-MoE's one-output gate of the shared expert: a linear layer all-linear adapts too.
+SHARED_EXPERT_GATE = "shared_expert_gate"
+LINEAR_NAMES = (*PROJECTIONS, SHARED_EXPERT_GATE)
 
 #: Config fields the estimate cannot do without (everything else has a default).
 REQUIRED_FIELDS = (
+    "model_type",
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -28,10 +50,38 @@ REQUIRED_FIELDS = (
     "vocab_size",
 )
 
-#: model_type -> (q/k RMSNorm on each head, bias on q/k/v) where the config has no field for it.
-_FAMILY_DEFAULTS: dict[str, tuple[bool, bool]] = {
-    "qwen3": (True, False),
-    "qwen2": (False, True),
+#: model_type -> (q/k RMSNorm on each head, bias on q/k/v, mixture of experts)
+MODEL_TYPES: dict[str, tuple[bool, bool, bool]] = {
+    "llama": (False, False, False),
+    "mistral": (False, False, False),
+    "qwen2": (False, True, False),
+    "qwen3": (True, False, False),
+    "mixtral": (False, False, True),
+    "qwen2_moe": (False, True, True),
+    "qwen3_moe": (True, False, True),
+}
+
+#: The activations of the gated MLP the timeline writes (silu(gate) * up).
+ACTIVATIONS = ("silu", "swish")
+
+#: Largest config file read (real ones are a few kilobytes).
+MAX_CONFIG_BYTES = 1 << 20
+
+#: Ranges of the integer fields (beyond any real model, short of sizes nothing can hold).
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 1 << 20),
+    "intermediate_size": (1, 1 << 22),
+    "moe_intermediate_size": (1, 1 << 22),
+    "shared_expert_intermediate_size": (0, 1 << 22),
+    "num_hidden_layers": (1, 1 << 16),
+    "num_attention_heads": (1, 1 << 14),
+    "num_key_value_heads": (1, 1 << 14),
+    "head_dim": (1, 1 << 14),
+    "vocab_size": (1, 1 << 24),
+    "num_local_experts": (1, 1 << 12),
+    "num_experts": (1, 1 << 12),
+    "num_experts_per_tok": (1, 1 << 12),
+    "decoder_sparse_step": (1, 1 << 16),
 }
 
 
@@ -40,7 +90,10 @@ class Architecture:
     """The shapes that decide a decoder-only model's memory.
 
     `head_dim` may differ from `hidden_size // num_attention_heads` (Qwen3 sets it
-    explicitly); `num_kv_heads < num_heads` is grouped-query attention.
+    explicitly); `num_kv_heads < num_heads` is grouped-query attention. `num_experts > 0`
+    makes the layers not in `dense_layers` mixture-of-experts layers: `num_experts` experts
+    of `expert_intermediate_size`, `experts_per_token` of them per token, plus a shared expert
+    of `shared_expert_intermediate_size` when that is not 0.
     """
 
     name: str
@@ -57,6 +110,11 @@ class Architecture:
     o_bias: bool = False
     mlp_bias: bool = False
     model_type: str = "llama"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    dense_layers: frozenset[int] = frozenset()
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +135,14 @@ class Architecture:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(
+                    f"experts_per_token must be from 1 to num_experts ({self.num_experts}), "
+                    f"got {self.experts_per_token}"
+                )
+            if self.expert_intermediate_size < 1:
+                raise ValueError("expert_intermediate_size must be a positive integer")
 
     # --- geometry ---------------------------------------------------------------------
 
@@ -92,22 +158,55 @@ class Architecture:
     def is_gqa(self) -> bool:
         return self.num_kv_heads != self.num_heads
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """`{name: (out_features, in_features)}` of the linear layers of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse(self, layer: int) -> bool:
+        """True when decoder layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.is_sparse(i) for i in range(self.num_layers))
+
+    def linear_shapes(self, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """`{name: (out_features, in_features)}` of the `nn.Linear` layers of decoder layer
+        `layer` (of a mixture-of-experts layer: the attention and the shared expert)."""
+        h = self.hidden_size
+        shapes = {
             "q_proj": (self.q_dim, h),
             "k_proj": (self.kv_dim, h),
             "v_proj": (self.kv_dim, h),
             "o_proj": (h, self.q_dim),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
         }
+        if self.is_sparse(layer):
+            i = self.shared_expert_intermediate_size
+            if i:
+                shapes.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
+                shapes[SHARED_EXPERT_GATE] = (1, h)
+            return shapes
+        i = self.intermediate_size
+        shapes.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
+        return shapes
 
-    def linear_biases(self) -> dict[str, int]:
-        """`{name: bias length}` for the linear layers that have a bias."""
-        shapes = self.linear_shapes()
+    def linear_names(self) -> tuple[str, ...]:
+        """Every linear layer name some decoder layer has, in `LINEAR_NAMES` order."""
+        names = {n for layer in self._layer_kinds() for n in self.linear_shapes(layer)}
+        return tuple(n for n in LINEAR_NAMES if n in names)
+
+    def _layer_kinds(self) -> list[int]:
+        """One layer index of each kind (dense, sparse) the model has."""
+        kinds: dict[bool, int] = {}
+        for i in range(self.num_layers):
+            kinds.setdefault(self.is_sparse(i), i)
+            if len(kinds) == 2:
+                break
+        return list(kinds.values())
+
+    def linear_biases(self, layer: int = 0) -> dict[str, int]:
+        """`{name: bias length}` for the linear layers of decoder layer `layer` with a bias."""
+        shapes = self.linear_shapes(layer)
         out: dict[str, int] = {}
         for name in ("q_proj", "k_proj", "v_proj"):
             if self.qkv_bias:
@@ -116,7 +215,8 @@ class Architecture:
             out["o_proj"] = shapes["o_proj"][0]
         if self.mlp_bias:
             for name in MLP_PROJECTIONS:
-                out[name] = shapes[name][0]
+                if name in shapes:
+                    out[name] = shapes[name][0]
         return out
 
     def norm_sizes(self) -> list[int]:
@@ -125,6 +225,12 @@ class Architecture:
         if self.qk_norm:
             sizes += [self.head_dim, self.head_dim]
         return sizes
+
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """The fused expert parameters of one mixture-of-experts layer and its router:
+        `{name: (experts, out, in)}`."""
+        e, h, i = self.num_experts, self.hidden_size, self.expert_intermediate_size
+        return {"router": (1, e, h), "gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
 
     # --- parameter counts -------------------------------------------------------------
 
@@ -137,29 +243,41 @@ class Architecture:
         """Parameters of a separate output projection (0 when tied to the embeddings)."""
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
+    def layer_params(self, layer: int) -> int:
+        """Every parameter of decoder layer `layer`."""
+        n = sum(o * i for o, i in self.linear_shapes(layer).values())
+        n += sum(self.norm_sizes()) + sum(self.linear_biases(layer).values())
+        if self.is_sparse(layer):
+            n += sum(e * o * i for e, o, i in self.expert_shapes().values())
+        return n
+
     @property
     def linear_params_per_layer(self) -> int:
-        return sum(o * i for o, i in self.linear_shapes().values())
+        """Parameters of the linear layers of a dense decoder layer."""
+        return sum(o * i for o, i in self.linear_shapes(0).values())
 
     @property
     def other_params_per_layer(self) -> int:
         """Norm weights and biases of one decoder layer (kept unquantized)."""
-        return sum(self.norm_sizes()) + sum(self.linear_biases().values())
+        return sum(self.norm_sizes()) + sum(self.linear_biases(0).values())
 
     @property
     def num_parameters(self) -> int:
-        per_layer = self.linear_params_per_layer + self.other_params_per_layer
-        return (
-            self.embedding_params
-            + self.lm_head_params
-            + self.num_layers * per_layer
-            + self.hidden_size  # final norm
-        )
+        kinds = {self.is_sparse(i) for i in range(self.num_layers)}
+        per_kind = {s: self.layer_params(self._first(s)) for s in kinds}
+        layers = sum(per_kind[self.is_sparse(i)] for i in range(self.num_layers))
+        return self.embedding_params + self.lm_head_params + layers + self.hidden_size
+
+    def _first(self, sparse: bool) -> int:
+        return next(i for i in range(self.num_layers) if self.is_sparse(i) == sparse)
 
     def lora_parameters(self, r: int, targets: tuple[str, ...]) -> int:
-        """LoRA parameters `r * (in + out)` over the target projections of every layer."""
-        shapes = self.linear_shapes()
-        return self.num_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
+        """LoRA parameters `r * (in + out)` over the target linear layers of every layer."""
+        total = 0
+        for layer in range(self.num_layers):
+            shapes = self.linear_shapes(layer)
+            total += sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+        return total
 
     def with_layers(self, num_layers: int) -> Architecture:
         return replace(self, num_layers=num_layers)
@@ -168,61 +286,207 @@ class Architecture:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> Architecture:
-        """From a Hugging Face `config.json` dict (text_config of a multimodal one is used)."""
+        """From a Hugging Face `config.json` dict (text_config of a multimodal one is used).
+        FormatError (a ValueError) naming the field for anything missing, mistyped, out of
+        range or not understood."""
+        source = name or "the model config"
         if not isinstance(config, Mapping):
-            raise ValueError(f"a model config must be a dict, got {type(config).__name__}")
+            raise FormatError(
+                source, f"a model config must be a JSON object, got {type(config).__name__}"
+            )
         cfg = dict(config)
         if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = {**cfg, **dict(cfg["text_config"])}
+            text = cfg["text_config"]
+            if not isinstance(text, Mapping):
+                raise FormatError(source, "must be a JSON object", "text_config")
+            cfg = {**cfg, **dict(text)}
+        r = _Reader(cfg, source)
         for key in REQUIRED_FIELDS:
             if cfg.get(key) is None:
-                label = f"config {name!r}" if name else "the model config"
-                raise ValueError(f"{label} is missing the field {key!r} the estimate needs")
-        model_type = str(cfg.get("model_type", "llama"))
-        heads = _int(cfg, "num_attention_heads")
-        kv = cfg.get("num_key_value_heads")
-        head_dim = cfg.get("head_dim")
-        hidden = _int(cfg, "hidden_size")
-        qk_norm, qkv_bias = _FAMILY_DEFAULTS.get(model_type, (False, False))
-        attention_bias = bool(cfg.get("attention_bias", False))
+                raise FormatError(source, "missing: the estimate needs it", key)
+        model_type = r.str("model_type")
+        if model_type not in MODEL_TYPES:
+            raise FormatError(
+                source,
+                f"model_type {model_type!r} is not one the estimator models (it models "
+                f"{', '.join(MODEL_TYPES)}); its memory would be guessed, so it is refused",
+                "model_type",
+            )
+        qk_norm, qkv_bias, moe = MODEL_TYPES[model_type]
+        act = cfg.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise FormatError(
+                source, f"{act!r} is not a gated SiLU MLP, the one modelled", "hidden_act"
+            )
+        hidden = r.int("hidden_size")
+        heads = r.int("num_attention_heads")
+        kv = r.int("num_key_value_heads", heads)
+        if heads % kv:
+            raise FormatError(
+                source,
+                f"num_attention_heads ({heads}) must be a multiple of it ({kv})",
+                "num_key_value_heads",
+            )
+        if cfg.get("head_dim") is None:
+            if hidden % heads:
+                raise FormatError(
+                    source,
+                    f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) "
+                    "and there is no head_dim",
+                    "head_dim",
+                )
+            head_dim = hidden // heads
+        else:
+            head_dim = r.int("head_dim")
+        attention_bias = r.bool("attention_bias", False)
+        experts = dict(
+            num_experts=0, experts_per_token=0, expert_intermediate_size=0,
+            shared_expert_intermediate_size=0, dense_layers=frozenset(),
+        )  # fmt: skip
+        layers = r.int("num_hidden_layers")
+        if moe:
+            experts = _moe_fields(r, model_type, layers)
         return cls(
-            name=name or str(cfg.get("_name_or_path") or model_type),
+            name=name or r.str("_name_or_path", model_type) or model_type,
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size"),
-            num_layers=_int(cfg, "num_hidden_layers"),
+            intermediate_size=r.int("intermediate_size"),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=heads if kv is None else _int(cfg, "num_key_value_heads"),
-            head_dim=hidden // heads if head_dim is None else _int(cfg, "head_dim"),
-            vocab_size=_int(cfg, "vocab_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            vocab_size=r.int("vocab_size"),
+            tie_word_embeddings=r.bool("tie_word_embeddings", False),
             qk_norm=qk_norm,
-            qkv_bias=qkv_bias or attention_bias,
+            qkv_bias=r.bool("qkv_bias", qkv_bias) or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=r.bool("mlp_bias", False),
             model_type=model_type,
             source=cfg,
+            **experts,  # type: ignore[arg-type]
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> Architecture:
+        """A config.json (or a folder holding one): a regular file of at most
+        `MAX_CONFIG_BYTES`, read once; FormatError for what is not a valid config."""
         p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
         try:
-            text = p.read_text()
+            if p.is_dir():
+                p = p / "config.json"
+            info = p.stat()
         except OSError as e:
-            raise ValueError(f"cannot read {p}: {e.strerror or e}") from None
+            raise FormatError(p, f"cannot read it: {e.strerror or e}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(p, "not a regular file (a config.json is read from a file)")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise FormatError(
+                p,
+                f"{info.st_size} bytes: larger than any config.json "
+                f"({MAX_CONFIG_BYTES} bytes at most)",
+            )
         try:
-            cfg = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p} is not valid JSON: {e}") from None
-        return cls.from_config(cfg, name=str(p))
+            # O_NONBLOCK: were it swapped for a FIFO since the check, open must not wait
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise FormatError(p, "not a regular file")
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise FormatError(p, f"cannot read it: {e.strerror or e}") from None
+        if len(data) > MAX_CONFIG_BYTES:
+            raise FormatError(p, f"larger than any config.json ({MAX_CONFIG_BYTES} bytes at most)")
+        return cls.from_config(parse_json(data, p), name=str(p))
 
 
-def _int(cfg: Mapping[str, Any], key: str) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ValueError(f"config field {key!r} must be an integer, got {value!r}")
-    return value
+def parse_json(data: bytes, source: object) -> Any:
+    """JSON text as Python objects; FormatError for text that is not JSON, for NaN/Infinity,
+    for integers of more than 30 digits and for nesting deeper than Python can follow."""
+
+    def constant(name: str) -> Any:
+        raise FormatError(source, f"{name} is not a number JSON allows")
+
+    def integer(text: str) -> int:
+        if len(text.lstrip("-")) > 30:
+            raise FormatError(source, f"integer of {len(text)} digits: out of any range")
+        return int(text)
+
+    try:
+        return json.loads(data, parse_constant=constant, parse_int=integer)
+    except UnicodeDecodeError as e:
+        raise FormatError(source, f"not UTF-8 text: {e.reason}") from None
+    except json.JSONDecodeError as e:
+        raise FormatError(source, f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise FormatError(source, "JSON nested too deeply") from None
+
+
+class _Reader:
+    """Typed, ranged reads of config fields; FormatError naming the field otherwise."""
+
+    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
+        self.cfg, self.source = cfg, source
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is None:
+                raise FormatError(self.source, "missing: the estimate needs it", key)
+            return default
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise FormatError(self.source, f"must be an integer, got {value!r}", key)
+        lo, hi = _INT_RANGES.get(key, (1, 1 << 30))
+        if not lo <= value <= hi:
+            raise FormatError(self.source, f"must be from {lo} to {hi}, got {value}", key)
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise FormatError(self.source, f"must be true or false, got {value!r}", key)
+        return value
+
+    def str(self, key: str, default: str | None = None) -> str:
+        value = self.cfg.get(key, default)
+        if value is None:
+            raise FormatError(self.source, "missing: the estimate needs it", key)
+        if not isinstance(value, str):
+            raise FormatError(self.source, f"must be a string, got {value!r}", key)
+        return value
+
+
+def _moe_fields(r: _Reader, model_type: str, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
+    if model_type == "mixtral":
+        experts = r.int("num_local_experts")
+        expert_size = r.int("intermediate_size")
+        shared = 0
+        dense: frozenset[int] = frozenset()
+    else:
+        experts = r.int("num_experts")
+        expert_size = r.int("moe_intermediate_size")
+        shared = r.int("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        step = r.int("decoder_sparse_step", 1)
+        only = r.cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only
+        ):
+            raise FormatError(
+                r.source, f"must be a list of layer indices below {layers}", "mlp_only_layers"
+            )
+        dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
+    per_token = r.int("num_experts_per_tok")
+    if per_token > experts:
+        raise FormatError(
+            r.source, f"{per_token} is more than the {experts} experts", "num_experts_per_tok"
+        )
+    return dict(
+        num_experts=experts,
+        experts_per_token=per_token,
+        expert_intermediate_size=expert_size,
+        shared_expert_intermediate_size=shared,
+        dense_layers=dense,
+    )

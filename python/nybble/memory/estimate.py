@@ -139,11 +139,11 @@ class MemoryEstimate:
                         "batch",
                         b,
                         self._at(batch=b).total_bytes,
-                        f"batch {b} (accumulate gradients over {-(-s.batch // b)} steps to keep "
-                        f"the effective batch of {s.batch})",
+                        f"batch {b}, accumulating gradients over {-(-s.batch // b)} steps "
+                        f"(effective batch {b * -(-s.batch // b)})",
                     )
                 )
-        step = 64 if s.seq_len >= 64 else 1
+        step = seq_len_step(s.seq_len)
         n = self.max_seq_len(limit, multiple_of=step)
         if n >= 1:
             out.append(
@@ -266,6 +266,12 @@ class MemoryEstimate:
             f"batch={self.setup.batch}, seq_len={self.setup.seq_len}, "
             f"framework={self.framework!r})"
         )
+
+
+def seq_len_step(seq_len: int) -> int:
+    """The multiple sequence lengths are searched in: 64 (a round length, and the searches
+    stay quick) unless the setup's own is shorter."""
+    return 64 if seq_len >= 64 else 1
 
 
 def _largest(ok: Callable[[int], bool], hi: int) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .arch import PROJECTIONS, Architecture
+from .arch import PROJECTIONS, SHARED_EXPERT_GATE, Architecture
 from .presets import MODEL_PRESETS
 from .quant import QUANTIZED_FORMATS, check_blocksize, normalize_dtype, normalize_format
 
@@ -28,6 +30,14 @@ _OPTIMIZER_ALIASES = {
 }
 
 ModelLike = str | Path | Mapping[str, Any] | Architecture
+
+#: The replay walks every layer of every step (about 7 ms a layer): deeper configs are refused
+#: rather than left running.
+MAX_LAYERS = 256
+#: Ranges of the run's sizes: far beyond any GPU, short of sizes nothing can count.
+MAX_BATCH = 1 << 20
+MAX_SEQ_LEN = 1 << 24
+MAX_LORA_R = 1 << 16
 
 
 def optimizer_states(optimizer: str, elems: int, pbytes: int) -> list[int]:
@@ -50,53 +60,102 @@ def optimizer_temporaries(optimizer: str, elems: int, pbytes: int) -> list[int]:
 
 
 def resolve_model(model: ModelLike) -> Architecture:
-    """A preset name, a path to an HF `config.json` (or its folder), a config dict, or an
-    `Architecture`."""
+    """A preset name, a path to an HF `config.json` (or its folder), a Hub id whose config is
+    in the local Hugging Face cache (`Qwen/Qwen3-4B`), a config dict, or an `Architecture`."""
     if isinstance(model, Architecture):
         return model
     if isinstance(model, Mapping):
         return Architecture.from_config(model)
     if isinstance(model, (str, Path)):
-        key = str(model).strip().lower()
+        text = str(model)
+        key = text.strip().lower()
         if key in MODEL_PRESETS:
             return Architecture.from_config(MODEL_PRESETS[key], name=key)
         path = Path(model)
-        if path.exists() or str(model).endswith(".json") or "/" in str(model):
+        if path.exists() or text.endswith(".json") or path.is_absolute() or text.startswith("."):
             return Architecture.from_json(path)
+        if HUB_ID.fullmatch(text):
+            cached = hub_cache_config(text)
+            if cached is None:
+                raise ValueError(
+                    f"{text!r} looks like a Hugging Face Hub id, but its config.json is not in "
+                    f"the local cache ({hub_cache_dir()}); nothing is downloaded: pass the path "
+                    "of its config.json"
+                )
+            arch = Architecture.from_json(cached)
+            return replace(arch, name=text)
         known = ", ".join(sorted(MODEL_PRESETS))
         raise ValueError(
-            f"unknown model {str(model)!r}: not a preset or a config.json path (presets: {known})"
+            f"unknown model {text!r}: not a preset, a config.json path or a Hub id in the local "
+            f"cache (presets: {known})"
         )
     raise ValueError(
         f"model must be a preset name, a config.json path or a dict, got {type(model).__name__}"
     )
 
 
-def resolve_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """PEFT's `target_modules`: "all-linear" (every projection but lm_head) or a list of names."""
+#: A Hub repository id: `owner/name` (the Hub's own rules: letters, digits, -, _, .).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}")
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloaded repositories: HF_HUB_CACHE, else HF_HOME/hub,
+    else ~/.cache/huggingface/hub (XDG_CACHE_HOME replaces ~/.cache)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "huggingface" / "hub"
+
+
+def hub_cache_config(repo_id: str) -> Path | None:
+    """The cached config.json of a Hub model: the snapshot refs/main points to, else the most
+    recently written snapshot that has one; None when none is cached."""
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    try:
+        main = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        main = ""
+    if main and (snapshots / main / "config.json").is_file():
+        return snapshots / main / "config.json"
+    try:
+        found = [p / "config.json" for p in snapshots.iterdir() if (p / "config.json").is_file()]
+    except OSError:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def resolve_targets(targets: str | Sequence[str], arch: Architecture) -> tuple[str, ...]:
+    """PEFT's `target_modules` on `arch`: "all-linear" (every linear layer but lm_head, as PEFT
+    finds them: never the fused experts of a mixture of experts) or a list of names."""
+    present = arch.linear_names()
     if isinstance(targets, str):
         key = targets.strip().lower()
         if key in ("all-linear", "all_linear", "all"):
-            return PROJECTIONS
+            return present
         if key in ("attention", "attn"):
             return PROJECTIONS[:4]
         if key == "mlp":
-            return PROJECTIONS[4:]
+            return tuple(t for t in present if t not in PROJECTIONS[:4])
         names = [t.strip() for t in targets.split(",") if t.strip()]
     else:
-        names = [str(t).strip() for t in targets]
+        names = [t.strip() if isinstance(t, str) else t for t in targets]
     if not names:
         raise ValueError("targets must name at least one projection (or be 'all-linear')")
     out: list[str] = []
     for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"targets must be names of linear layers, got {name!r}")
         short = name.rsplit(".", 1)[-1]
-        if short not in PROJECTIONS:
+        if short not in present:
             raise ValueError(
-                f"unknown LoRA target {name!r} (known: all-linear, {', '.join(PROJECTIONS)})"
+                f"unknown LoRA target {name!r} (known: all-linear, {', '.join(present)})"
             )
         if short not in out:
             out.append(short)
-    return tuple(t for t in PROJECTIONS if t in out)
+    return tuple(t for t in present if t in out)
 
 
 def _loop(loop: str) -> str:
@@ -106,11 +165,13 @@ def _loop(loop: str) -> str:
     return key
 
 
-def _positive_int(value: Any, name: str) -> int:
+def _positive_int(value: Any, name: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
     return value
 
 
@@ -143,12 +204,20 @@ class TrainingSetup:
 
     def lora_tensors(self) -> list[int]:
         """Element counts of every LoRA tensor: A then B of each target, layer by layer."""
-        shapes = self.arch.linear_shapes()
-        per_layer: list[int] = []
+        out: list[int] = []
+        for layer in range(self.arch.num_layers):
+            out += self.layer_lora_tensors(layer)
+        return out
+
+    def layer_lora_tensors(self, layer: int) -> list[int]:
+        """Element counts of the LoRA tensors of decoder layer `layer`: A then B per target."""
+        shapes = self.arch.linear_shapes(layer)
+        out: list[int] = []
         for t in self.targets:
-            out_f, in_f = shapes[t]
-            per_layer += [self.lora_r * in_f, out_f * self.lora_r]
-        return per_layer * self.arch.num_layers
+            if t in shapes:
+                out_f, in_f = shapes[t]
+                out += [self.lora_r * in_f, out_f * self.lora_r]
+        return out
 
     @classmethod
     def create(
@@ -170,13 +239,19 @@ class TrainingSetup:
         loop: str = "plain",
     ) -> TrainingSetup:
         arch = resolve_model(model)
+        if arch.num_layers > MAX_LAYERS:
+            raise ValueError(
+                f"num_hidden_layers is {arch.num_layers}: the estimator replays every layer of "
+                f"a run and takes at most {MAX_LAYERS} (the deepest released models have 126)"
+            )
         fmt = normalize_format(quant)
-        r = _positive_int(lora_r, "lora_r")
-        tgt = resolve_targets(targets)
-        shapes = arch.linear_shapes()
-        for t in tgt:
-            if r > min(shapes[t]):
-                raise ValueError(f"lora_r {r} exceeds min(in, out) = {min(shapes[t])} of {t}")
+        r = _positive_int(lora_r, "lora_r", MAX_LORA_R)
+        tgt = resolve_targets(targets, arch)
+        for layer in (0, arch.num_layers - 1):
+            shapes = arch.linear_shapes(layer)
+            for t in tgt:
+                if t in shapes and t != SHARED_EXPERT_GATE and r > min(shapes[t]):
+                    raise ValueError(f"lora_r {r} exceeds min(in, out) = {min(shapes[t])} of {t}")
         if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)):
             raise ValueError(f"lora_dropout must be a number in [0, 1), got {lora_dropout!r}")
         if not 0.0 <= float(lora_dropout) < 1.0:
@@ -195,8 +270,8 @@ class TrainingSetup:
             lora_dtype=normalize_dtype(lora_dtype, "lora_dtype"),
             lora_dropout=float(lora_dropout),
             optimizer=opt,
-            batch=_positive_int(batch, "batch"),
-            seq_len=_positive_int(seq_len, "seq_len"),
+            batch=_positive_int(batch, "batch", MAX_BATCH),
+            seq_len=_positive_int(seq_len, "seq_len", MAX_SEQ_LEN),
             grad_checkpointing=bool(grad_checkpointing),
             compute_dtype=normalize_dtype(compute_dtype, "compute_dtype"),
             loop=_loop(loop),
@@ -204,7 +279,9 @@ class TrainingSetup:
 
     def with_(self, **changes: Any) -> TrainingSetup:
         if "batch" in changes:
-            _positive_int(changes["batch"], "batch")
+            _positive_int(changes["batch"], "batch", MAX_BATCH)
         if "seq_len" in changes:
-            _positive_int(changes["seq_len"], "seq_len")
+            _positive_int(changes["seq_len"], "seq_len", MAX_SEQ_LEN)
+        if "lora_r" in changes:
+            _positive_int(changes["lora_r"], "lora_r", MAX_LORA_R)
         return replace(self, **changes)

@@ -24,7 +24,7 @@ Two training loops are written (`LOOPS`), which differ in what the allocator see
 
 from __future__ import annotations
 
-from .arch import ATTENTION_PROJECTIONS
+from .arch import ATTENTION_PROJECTIONS, SHARED_EXPERT_GATE
 from .parts import (
     ACTIVATIONS,
     GRADIENTS,
@@ -93,11 +93,15 @@ class _Saved:
     def __init__(self, tape: Tape, grad: bool) -> None:
         self.tape, self.grad = tape, grad
         self.keys: dict[str, int] = {}
+        #: per expert of a mixture of experts: its token count and saved tensors
+        self.experts: list[tuple[int, int, int, int, int, int, int]] = []
 
     def put(self, name: str, key: int | None) -> None:
         if key is None:
             return
         if self.grad:
+            if name in self.keys:  # two tensors under one name: one would never be freed
+                raise AssertionError(f"saved tensor {name!r} written twice")
             self.keys[name] = key
         else:
             self.tape.free(key)
@@ -135,10 +139,13 @@ class PeftBnbTimeline:
         s, a, tp = self.s, self.a, self.tape
         up = 2 if s.quantized else FLOAT_FORMATS[s.quant]
         load = 2 * (a.embedding_params + a.lm_head_params + a.hidden_size)
-        load += a.num_layers * 2 * a.other_params_per_layer
-        for out_f, in_f in self.shapes.values():
-            n = out_f * in_f
-            load += a.num_layers * (n // 2 if s.quantized else n * up)
+        for layer in range(a.num_layers):
+            load += 2 * (sum(a.norm_sizes()) + sum(a.linear_biases(layer).values()))
+            for out_f, in_f in a.linear_shapes(layer).values():
+                n = out_f * in_f
+                load += n // 2 if s.quantized else n * up
+            if a.is_sparse(layer):
+                load += 2 * sum(e * o * i for e, o, i in a.expert_shapes().values())
         # transformers reserves the whole checkpoint in one block before loading into it
         tp.temp(load, LOAD)
         # (what is never freed stays allocated: the weights, the adapters, the inputs)
@@ -147,12 +154,19 @@ class PeftBnbTimeline:
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
         embed = tp.new(2 * a.embedding_params)
         small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
-        for _ in range(a.num_layers):
+        experts: list[tuple[int, int]] = []  # (key, elements) of the fused experts, routers
+        for layer in range(a.num_layers):
+            if a.is_sparse(layer):
+                # transformers 5's fused experts and the router: bf16 parameters, not
+                # quantized (memory.arch)
+                for e, o, i in a.expert_shapes().values():
+                    experts.append((tp.new(2 * e * o * i), e * o * i))
             # a layer's weights load in the order of their names: mlp.* before self_attn.*
+            shapes = a.linear_shapes(layer)
             for name in sorted(
-                self.shapes, key=lambda p: ("self_attn" if p in ATTENTION_PROJECTIONS else "mlp", p)
+                shapes, key=lambda p: ("self_attn" if p in ATTENTION_PROJECTIONS else "mlp", p)
             ):
-                out_f, in_f = self.shapes[name]
+                out_f, in_f = shapes[name]
                 self._load_linear(out_f * in_f, up)
         final = tp.new(2 * a.hidden_size)
         # prepare_model_for_kbit_training: float32 copies of every unquantized weight
@@ -161,6 +175,8 @@ class PeftBnbTimeline:
             if head:
                 self._upcast(head, a.lm_head_params)
             for k, n in zip(small, a.norm_sizes() * a.num_layers, strict=True):
+                self._upcast(k, n)
+            for k, n in experts:
                 self._upcast(k, n)
             self._upcast(final, a.hidden_size)
             tp.mark("empty_cache")
@@ -268,6 +284,7 @@ class PeftBnbTimeline:
     def layer_forward(self, x: int, layer: int, grad: bool) -> tuple[int, _Saved]:
         """One decoder layer; `x` (the residual stream) stays alive. Returns its output."""
         s, a, tp, t, e = self.s, self.a, self.tape, self.t, self.e
+        self.shapes = a.linear_shapes(layer)
         sv = _Saved(tp, grad)
         qd, kvd = a.q_dim, a.kv_dim
         # layer 0's input needs no gradient without checkpointing: its norm saves nothing
@@ -348,21 +365,149 @@ class PeftBnbTimeline:
         x1 = tp.new(e * t * a.hidden_size)
         tp.free(attn)
         xn2 = self._rmsnorm(x1, a.hidden_size, t, sv, "norm2")
-        # down_proj(act_fn(gate_proj(x)) * up_proj(x)), evaluated in that order
-        gate = self._linear(xn2, "gate_proj", sv)
-        act = tp.new(e * t * a.intermediate_size)
-        sv.put("gate", gate)
-        upo = self._linear(xn2, "up_proj", sv)
-        prod = tp.new(e * t * a.intermediate_size)
-        sv.put("act", act)
-        sv.put("up", upo)
-        down = self._linear(prod, "down_proj", sv)
-        sv.put("prod", prod)
+        if a.is_sparse(layer):
+            down = self._moe_forward(xn2, sv)
+        else:
+            down = self._mlp_forward(xn2, sv, a.intermediate_size)
         sv.put("xn2", xn2)  # the layer's own reference lasts until the MLP returns
         out = tp.new(e * t * a.hidden_size)
         tp.free(down)
         sv.put("x1", x1)
         return out, sv
+
+    def _mlp_forward(self, xn2: int, sv: _Saved, inter: int) -> int:
+        """down_proj(act_fn(gate_proj(x)) * up_proj(x)), evaluated in that order."""
+        tp, t, e = self.tape, self.t, self.e
+        gate = self._linear(xn2, "gate_proj", sv)
+        act = tp.new(e * t * inter)
+        sv.put("gate", gate)
+        upo = self._linear(xn2, "up_proj", sv)
+        prod = tp.new(e * t * inter)
+        sv.put("act", act)
+        sv.put("up", upo)
+        down = self._linear(prod, "down_proj", sv)
+        sv.put("prod", prod)
+        return down
+
+    def _expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert: tokens x experts_per_token spread evenly."""
+        a = self.a
+        routed = self.t * a.experts_per_token
+        base, extra = divmod(routed, a.num_experts)
+        return [base + (1 if j < extra else 0) for j in range(a.num_experts)]
+
+    def _moe_forward(self, x: int, sv: _Saved) -> int:
+        """A mixture-of-experts MLP as transformers 5 runs it (MixtralSparseMoeBlock,
+        Qwen2MoeSparseMoeBlock): the shared expert, the router (float32 logits, softmax,
+        top-k), then each expert in turn on the tokens routed to it (gather, fused gate/up
+        matmul, silu * up, down matmul, times the routing weight, index_add_ into a zeroed
+        output). Written from the code, not yet checked against a trace (docs/estimator.md)."""
+        a, tp, t, e = self.a, self.tape, self.t, self.e
+        h, n_exp, k = a.hidden_size, a.num_experts, a.experts_per_token
+        shared = None
+        if a.shared_expert_intermediate_size:
+            shared = self._mlp_forward(x, sv, a.shared_expert_intermediate_size)
+        logits = tp.new(4 * t * n_exp)
+        probs = tp.new(4 * t * n_exp)  # softmax keeps its output for backward
+        tp.free(logits)
+        weights, index = tp.new(4 * t * k), tp.new(8 * t * k)
+        tp.temp(4 * t)  # the weights' sum; they are divided by it in place
+        sv.put("router.probs", probs)
+        sv.put("router.topk", index)
+        final = tp.new(e * t * h)  # zeros_like
+        mask = tp.new(8 * t * k * n_exp)  # one_hot of the chosen experts (int64)
+        tp.temp(8 * n_exp)
+        for n in self._expert_tokens():
+            if n == 0:
+                continue
+            pos, idx = tp.new(8 * n), tp.new(8 * n)  # torch.where(expert_mask[j])
+            cur = tp.new(e * n * h)  # hidden_states[token_idx]
+            gate_up = tp.new(4 * n * 2 * a.expert_intermediate_size)
+            act = tp.new(4 * n * a.expert_intermediate_size)
+            prod = tp.new(4 * n * a.expert_intermediate_size)
+            tp.free(cur)
+            down = tp.new(4 * n * h)
+            tp.free(prod)
+            w = tp.new(4 * n)  # top_k_weights[token_idx, top_k_pos, None]
+            weighted = tp.new(4 * n * h)
+            tp.free(weighted)  # added into the output in place
+            if sv.grad:
+                sv.experts.append((n, pos, idx, gate_up, act, down, w))
+            else:
+                tp.free(pos, idx, gate_up, act, down, w)
+        tp.free(mask)
+        sv.put("router.weights", weights)
+        if shared is None:
+            return final
+        gate = self._linear(x, SHARED_EXPERT_GATE, sv)  # one output per token
+        sig = tp.new(e * t)  # sigmoid keeps its output for backward
+        tp.free(gate)
+        gated = tp.new(e * t * h)
+        sv.put("shared.sig", sig)
+        sv.put("shared.out", shared)
+        total = tp.new(e * t * h)
+        tp.free(final, gated)
+        return total
+
+    def _mlp_backward(self, g: int, sv: _Saved, inter: int, into: int | None = None) -> int:
+        """The gated MLP's backward, in autograd's order: down_proj, the product, up_proj,
+        silu, gate_proj; returns the gradient of its input (or adds it into `into`)."""
+        tp, t = self.tape, self.t
+        gp = self._linear_backward(g, "down_proj", sv, last_of="prod", free_g=False)
+        gup, gact = tp.new(4 * t * inter), tp.new(4 * t * inter)
+        tp.free(gp, sv.pop("up"), sv.pop("act"))
+        if into is not None:
+            self._linear_backward(gup, "up_proj", sv, into=into)
+            gu = into
+        else:
+            gu = self._linear_backward(gup, "up_proj", sv)
+        ggate = tp.new(4 * t * inter)
+        tp.free(gact, sv.pop("gate"))
+        return self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
+
+    def _moe_backward(self, g: int, sv: _Saved) -> int:
+        """The mixture of experts' backward: the shared expert and its gate, each expert in
+        reverse order (the gradient of its tokens gathered, through the routing weight, the
+        two matmuls and silu, scattered back into a full-size gradient that is summed into
+        the input's), then the router (softmax and top-k)."""
+        a, tp, t, e = self.a, self.tape, self.t, self.e
+        h, i = a.hidden_size, a.expert_intermediate_size
+        gx = tp.new(4 * t * h)  # the input's gradient, summed over the branches
+        if a.shared_expert_intermediate_size:
+            gshared = tp.new(e * t * h)  # g * sigmoid(gate)
+            gsig = tp.new(4 * t)
+            tp.free(sv.pop("shared.sig"), sv.pop("shared.out"))
+            ggate = tp.new(4 * t)
+            tp.free(gsig)
+            self._linear_backward(ggate, SHARED_EXPERT_GATE, sv, into=gx)
+            self._mlp_backward(gshared, sv, a.shared_expert_intermediate_size, into=gx)
+            tp.free(gshared)
+        gweights = tp.new(4 * t * a.experts_per_token)
+        for n, pos, idx, gate_up, act, down, w in reversed(sv.experts):
+            gw_out = tp.new(4 * n * h)  # grad[token_idx]
+            gdown, gw = tp.new(4 * n * h), tp.new(4 * n)
+            tp.free(gw_out, down, w)
+            gprod = tp.new(4 * n * i)
+            tp.free(gdown)
+            gact, gup = tp.new(4 * n * i), tp.new(4 * n * i)
+            tp.free(gprod, act)
+            ggate = tp.new(4 * n * i)
+            tp.free(gact)
+            ggu = tp.new(4 * n * 2 * i)  # the two halves' gradients concatenated
+            tp.free(ggate, gup, gate_up)
+            gcur = tp.new(4 * n * h)
+            tp.free(ggu)
+            scattered = tp.new(4 * t * h)  # index backward: zeros with the rows put in
+            tp.free(gcur, scattered, gw, pos, idx)
+        sv.experts = []
+        tp.free(sv.pop("router.weights"))
+        gprobs = tp.new(4 * t * a.num_experts)  # top-k backward scatters into zeros
+        tp.free(gweights, sv.pop("router.topk"))
+        glogits = tp.new(4 * t * a.num_experts)
+        tp.free(gprobs, sv.pop("router.probs"))
+        grouter = tp.new(4 * t * h)  # through the router's (frozen) weight
+        tp.free(glogits, grouter)
+        return gx
 
     # --- backward ops ----------------------------------------------------------------
 
@@ -491,15 +636,13 @@ class PeftBnbTimeline:
         """Gradient of the layer's input from `g`, the gradient of its output (freed unless
         `hold_g`: a checkpoint holds it, as it holds the recomputed output, until it returns)."""
         s, a, tp, t = self.s, self.a, self.tape, self.t
-        h, i, qd, kvd = a.hidden_size, a.intermediate_size, a.q_dim, a.kv_dim
-        # MLP, in autograd's order: down_proj, the product, up_proj, silu, gate_proj
-        gp = self._linear_backward(g, "down_proj", sv, last_of="prod", free_g=False)
-        gup, gact = tp.new(4 * t * i), tp.new(4 * t * i)
-        tp.free(gp, sv.pop("up"), sv.pop("act"))
-        gu = self._linear_backward(gup, "up_proj", sv)
-        ggate = tp.new(4 * t * i)
-        tp.free(gact, sv.pop("gate"))
-        gxn2 = self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
+        h, qd, kvd = a.hidden_size, a.q_dim, a.kv_dim
+        self.shapes = a.linear_shapes(layer)
+        if a.is_sparse(layer):
+            gxn2 = self._moe_backward(g, sv)
+            tp.free(sv.pop("xn2"))
+        else:
+            gxn2 = self._mlp_backward(g, sv, a.intermediate_size)
         # the residual's gradient: the norm's gradients are summed into g's buffer
         g1 = self._rmsnorm_backward(
             gxn2, h, t, sv, "norm2", free_g=True, into=g, into_owned=not hold_g
