@@ -50,7 +50,8 @@ def plot_seq_len(estimate: MemoryEstimate, out: IO[bytes]) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
     layers = [[e.breakdown[k] / GiB for e in sweep] for k in BREAKDOWN_KEYS]
     labels = [k.replace("_", " ") for k in BREAKDOWN_KEYS]
-    colors = list(plt.get_cmap("tab20").colors)[: len(BREAKDOWN_KEYS)]  # one per part
+    palette = plt.get_cmap("tab20")
+    colors = [palette(i) for i in range(len(BREAKDOWN_KEYS))]  # one colour per part
     ax.stackplot(grid, layers, labels=labels, colors=colors, alpha=0.85)
     ax.plot(grid, [e.total_bytes / GiB for e in sweep], color="black", lw=1.5, label="total")
     ax.plot(
