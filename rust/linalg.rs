@@ -93,6 +93,7 @@ impl<'a> MatRef<'a> {
             let start = element_index(self.offset, i, 0, self.row_stride, self.col_stride);
             let row = start.and_then(|s| self.data.get(s..)).unwrap_or_default();
             match usize::try_from(self.col_stride) {
+                Ok(1) => out.extend_from_slice(row.get(..self.cols).unwrap_or_default()),
                 Ok(0) => out.extend(row.iter().take(1).cycle().take(self.cols)),
                 Ok(step) => out.extend(row.iter().step_by(step).take(self.cols)),
                 Err(_) => {
