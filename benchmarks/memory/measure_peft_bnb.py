@@ -1,47 +1,55 @@
-"""Measure peak GPU memory of transformers + PEFT + bitsandbytes QLoRA training steps.
+"""Measure the GPU memory of transformers + PEFT + bitsandbytes QLoRA training, as users run it.
 
-The recipe is SPEC §5's: `BitsAndBytesConfig(load_in_4bit, nf4, double quant, bf16 compute)`,
-`prepare_model_for_kbit_training`, `get_peft_model` (r=16, alpha 32, dropout 0, all-linear),
-`model.train()`, torch AdamW, default (sdpa) attention, loss from `labels`.
+The protocol of SPEC §5 and docs/estimator.md, in one command on the GPU machine:
 
-Models are built from config dicts with random weights (no downloads): a bf16 safetensors
-checkpoint is written once per architecture (to /dev/shm when it has room) and loaded with
-`from_pretrained(..., quantization_config=...)`, the path a user takes, so the module structure,
-the load-time allocations and PEFT's fp32 up-cast are the real ones. A config can load fewer
-layers than the checkpoint holds (`num_hidden_layers` override), which is how the 7-8B
-architectures are measured at reduced depth.
+    python3 benchmarks/memory/measure_peft_bnb.py --out $OUT
 
-Each configuration runs in its own process (forked from a parent that imported torch,
-transformers and peft but never touched CUDA), so every figure is a fresh process's:
-- `context_bytes`: the process's memory in NVML right after CUDA initialisation, before any
-  tensor (SPEC §5);
-- per phase: `torch.cuda.memory_allocated/reserved` after load, prepare, get_peft_model;
-- per step: `max_memory_allocated/reserved` with the peak counters reset before the step;
-  step 1 creates the optimizer states, step 2 is the measured steady-state step (step 3 is
-  kept as a check that step 2 was steady).
-The measured figure to compare with `estimate_memory(...).total_bytes` is
-`step2.peak_reserved + context_bytes`; `step2.peak_allocated` is the allocated peak.
+- Every configuration runs in a fresh process (forked from a parent that never imports torch),
+  several at once (the per-process figures are independent; a run that had to retry a
+  cudaMalloc because the others filled the GPU is measured again, alone).
+- The recipe: `BitsAndBytesConfig(load_in_4bit, nf4, double quant, bf16 compute)`,
+  `from_pretrained(..., quantization_config=..., device_map="cuda")`,
+  `prepare_model_for_kbit_training`, `get_peft_model` (r=16, alpha 32, dropout 0,
+  all-linear), `model.train()`, torch AdamW.
+- The loop (`--loops`): "plain" is SPEC §5's: `use_cache=False`, no task_type, each step
+  `ids = torch.randint(..., device="cuda")`, `model(input_ids=ids, labels=ids).loss.backward()`,
+  `opt.step()`, `opt.zero_grad(set_to_none=True)`. "benchmark" is the loop the committed
+  results were measured with (one batch made before training, with an all-ones attention
+  mask and a copy of the ids as labels; task_type CAUSAL_LM; the config's use_cache).
+- `--steps` steps (4 by default, at least 3), peak counters reset before each; after each,
+  `max_memory_reserved()`, `max_memory_allocated()`, `memory_reserved()` and NVML's memory of
+  the process. The memory outside the allocator is NVML minus `memory_reserved()` right after
+  the step; the measured total of a step is its reserved peak plus that; the figure compared
+  with `estimate_memory(...).total_bytes` is the largest over steps 2 on (the steady state).
+- Models are built from config dicts with random weights (nothing is downloaded): a bf16
+  safetensors checkpoint per architecture is written once (to /dev/shm when it has room) and
+  loaded with `from_pretrained`, the path a user takes, quantized by bitsandbytes on the way.
+  A configuration loads the first `layers` layers (`num_hidden_layers` override).
 
-Several configurations run at once (each in its own process; the torch statistics are per
-process), admitted under a GPU memory budget from a deliberately generous rough estimate.
-Every finished configuration is appended to `OUT/measured.jsonl` at once, so a run cut short
-still leaves its results. Run on the GPU machine:
+What it writes to OUT: `results.jsonl` (one record per run, appended as each ends, so a run
+cut short keeps what it measured), `environment.json`, `context.jsonl` (the process's NVML
+memory after CUDA initialisation, after the first tensor op, after a training step),
+`not_run.json` (what the deadline left out), `traces/*.json.gz` (allocation traces of the
+`diagnose` set). `benchmarks/memory/compare.py --measured OUT/results.jsonl` makes the table.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/memory/measure_peft_bnb.py --out $OUT --budget-s 420
-
-`--smoke` runs two tiny configurations on the CPU (no CUDA statistics): a check of the
-control flow on a machine without a GPU.
+A run that fails (an exception, a crash, a hang past `--timeout-s`) is recorded with its
+error and the others go on. `--dry-run` runs the whole scheduler on this machine without torch
+or a GPU (each run's measurement replaced by a short stand-in), `--configs FILE` measures a
+JSON list of configurations instead of the sets.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -161,29 +169,88 @@ ARCHS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         max_position_embeddings=4096,
     ),
+    # small mixtures of experts (transformers 5 fuses the experts: memory.arch)
+    "mixtral-small": dict(
+        model_type="mixtral",
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        sliding_window=None,
+    ),
+    "qwen3-moe-small": dict(
+        model_type="qwen3_moe",
+        hidden_size=1024,
+        intermediate_size=3072,
+        moe_intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=151936,
+        num_experts=32,
+        num_experts_per_tok=4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+    ),
+    "qwen2-moe-small": dict(
+        model_type="qwen2_moe",
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=704,
+        shared_expert_intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=151936,
+        num_experts=16,
+        num_experts_per_tok=4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
 }
 
-#: Checkpoints to write, smallest first: (architecture, layers). A config loads the first
-#: `layers` layers of the smallest checkpoint of its architecture that has enough of them.
-CHECKPOINTS = [
-    ("tiny", 2),
-    ("qwen3-0.6b", 28),
-    ("mistral-7b", 8),
-    ("llama-3.2-1b", 16),
-    ("qwen3-4b", 8),
-    ("llama-2-7b", 4),
-    ("llama-3.1-8b", 8),
-    ("qwen3-4b", 36),
-]
+#: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
+#: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS. The first
+#: six are those of results/traces (tests/test_allocator_traces.py reads "step2").
+MARK = 777_001
+MARK_POINTS = (
+    "after_load", "after_prepare", "after_peft", "step1", "step2", "step2_end", "step3", "step4",
+)  # fmt: skip
 
 
-def checkpoint_name(arch: str, layers: int) -> str:
-    depth = min(n for a, n in CHECKPOINTS if a == arch and n >= layers)
-    return f"{arch}-L{depth}"
+# --- configuration sets ------------------------------------------------------------------
+
+#: What each set is for (`--sets`); together they are the validation of docs/estimator.md.
+SETS = ("diagnose", "new", "committed", "holdout", "moe")
 
 
-def config_matrix() -> list[dict[str, Any]]:
-    """The configurations, most important first (a run cut short keeps the head of the list)."""
+def config_id(c: dict[str, Any]) -> str:
+    extra = "".join(f"-{k}{c[k]}" for k in ("r", "dropout", "optim") if k in c)
+    return f"{c['arch']}-L{c['layers']}-b{c['batch']}-s{c['seq']}-gc{int(c['gc'])}{extra}"
+
+
+def committed_configs() -> list[dict[str, Any]]:
+    """The configurations of results/measured.jsonl (measured before with the benchmark loop),
+    most important first."""
     out: list[dict[str, Any]] = []
     core = [
         ("qwen3-0.6b", 28),
@@ -210,36 +277,12 @@ def config_matrix() -> list[dict[str, Any]]:
     ]
     for arch, layers, b, s, gc in extra:
         out.append(dict(arch=arch, layers=layers, batch=b, seq=s, gc=gc))
-    # Other recipe knobs, on one small model: LoRA dropout, 8-bit AdamW, a larger rank.
     base = dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True)
     out += [dict(base, dropout=0.05), dict(base, optim="adamw8bit"), dict(base, r=64)]
     return out
 
 
-#: Configurations whose allocator events are recorded with `--trace` (the allocator model of
-#: the estimator is built and checked against them): each kind of peak, GQA and MHA.
-TRACE_CONFIGS = [
-    dict(arch="tiny", layers=2, batch=1, seq=128, gc=True),
-    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=512, gc=True),
-    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=2048, gc=False),
-    dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True),
-    dict(arch="qwen3-4b", layers=4, batch=2, seq=512, gc=False),
-    dict(arch="llama-3.1-8b", layers=4, batch=1, seq=2048, gc=False),
-    dict(arch="mistral-7b", layers=4, batch=1, seq=2048, gc=False),
-    dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=True),
-    # where the first estimates from the simulation were furthest off
-    dict(arch="qwen3-4b", layers=4, batch=2, seq=512, gc=True),
-    dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=False),
-    dict(arch="llama-3.1-8b", layers=4, batch=1, seq=2048, gc=True),
-    dict(arch="llama-3.1-8b", layers=8, batch=1, seq=4096, gc=True),
-    dict(arch="mistral-7b", layers=4, batch=1, seq=2048, gc=True),
-    dict(arch="mistral-7b", layers=8, batch=2, seq=4096, gc=True),
-    dict(arch="llama-2-7b", layers=4, batch=1, seq=2048, gc=False),
-    dict(arch="llama-3.2-1b", layers=16, batch=2, seq=512, gc=False),
-]
-#: Configurations kept out of the estimator's construction (`--holdout`): measured only after
-#: its allocation model was settled, to check it on sequence lengths, batch sizes, depths and
-#: recipe knobs it was not built from.
+#: results/holdout.jsonl's configurations (held out of the allocation model's construction).
 HOLDOUT_CONFIGS = [
     dict(arch="qwen3-0.6b", layers=28, batch=3, seq=1024, gc=True),
     dict(arch="qwen3-0.6b", layers=28, batch=1, seq=1536, gc=False),
@@ -256,13 +299,62 @@ HOLDOUT_CONFIGS = [
     dict(arch="qwen3-4b", layers=4, batch=1, seq=2048, gc=True, r=8, dropout=0.1),
     dict(arch="qwen3-4b", layers=4, batch=2, seq=1024, gc=False, optim="adamw8bit"),
 ]
-#: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
-#: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS.
-MARK = 777_001
-MARK_POINTS = ("after_load", "after_prepare", "after_peft", "step1", "step2", "step2_end")
+
+#: Held out of everything so far (the estimator's plain loop was written before they were
+#: measured): other depths, lengths that are no power of two, larger batches, rank 32.
+NEW_CONFIGS = [
+    dict(arch="qwen3-0.6b", layers=28, batch=2, seq=1024, gc=True),
+    dict(arch="llama-3.2-1b", layers=16, batch=8, seq=1024, gc=True),
+    dict(arch="qwen3-4b", layers=36, batch=2, seq=512, gc=False),
+    dict(arch="qwen3-0.6b", layers=28, batch=4, seq=640, gc=True),
+    dict(arch="llama-3.2-1b", layers=16, batch=3, seq=1280, gc=False),
+    dict(arch="mistral-7b", layers=6, batch=2, seq=1536, gc=True),
+    dict(arch="llama-3.1-8b", layers=6, batch=1, seq=2560, gc=False),
+    dict(arch="qwen3-4b", layers=12, batch=3, seq=768, gc=True, r=32),
+    dict(arch="llama-2-7b", layers=6, batch=4, seq=896, gc=True, dropout=0.1),
+    dict(arch="qwen3-0.6b", layers=28, batch=2, seq=2048, gc=True, r=8, optim="adamw8bit"),
+    dict(arch="tiny", layers=2, batch=4, seq=256, gc=False),
+]
+
+#: Small mixtures of experts: transformers 5 keeps their experts unquantized (memory.arch);
+#: the timeline's expert ops are written from the code and checked here.
+MOE_CONFIGS = [
+    dict(arch="mixtral-small", layers=4, batch=1, seq=1024, gc=True),
+    dict(arch="mixtral-small", layers=4, batch=1, seq=1024, gc=False),
+    dict(arch="qwen3-moe-small", layers=4, batch=2, seq=512, gc=True),
+    dict(arch="qwen2-moe-small", layers=4, batch=1, seq=1024, gc=False),
+]
+
+#: Where the plain loop's steady step reserves more than its first (issue 18: llama-3.2-1b
+#: b1 s512 with checkpointing, 2.67 GiB at step 1, 2.92 GiB after): both loops, with the
+#: plain loop's allocations traced, so that what moves it can be read off.
+DIAGNOSE_CONFIGS = [
+    dict(arch="llama-3.2-1b", layers=16, batch=1, seq=512, gc=True),
+    dict(arch="qwen3-0.6b", layers=28, batch=1, seq=512, gc=True),
+]
 
 
-# --- a rough, deliberately generous estimate used only to admit concurrent runs ----------
+def select(sets: list[str], loops: list[str]) -> list[dict[str, Any]]:
+    """The runs of `sets`, most important first; `diagnose` runs in both loops, traced."""
+    chosen: list[dict[str, Any]] = []
+    table = dict(
+        new=NEW_CONFIGS, committed=committed_configs(), holdout=HOLDOUT_CONFIGS, moe=MOE_CONFIGS
+    )
+    for name in SETS:
+        if name not in sets:
+            continue
+        if name == "diagnose":
+            for c in DIAGNOSE_CONFIGS:
+                chosen.append(dict(c, set="diagnose", loop="plain", trace=True))
+                chosen.append(dict(c, set="diagnose", loop="benchmark"))
+            continue
+        for c in table[name]:
+            for loop in loops:
+                chosen.append(dict(c, set=name, loop=loop))
+    return chosen
+
+
+# --- a rough, generous peak used only to admit concurrent runs ---------------------------
 
 
 def rough_peak_bytes(c: dict[str, Any]) -> float:
@@ -275,6 +367,11 @@ def rough_peak_bytes(c: dict[str, Any]) -> float:
     t = b * s
     lin = layers * (2 * h * qd + 2 * h * kvd + 3 * h * inter)
     static = lin * 0.6 + v * h * 4 * (1 if a["tie_word_embeddings"] else 2) + 1.5e9
+    experts = a.get("num_local_experts") or a.get("num_experts") or 0
+    if experts:  # fused experts: bf16 loaded, float32 kept (and the bf16 hole)
+        ie = a.get("moe_intermediate_size") or inter
+        static += layers * experts * 3 * h * ie * 6
+        inter = max(inter, ie * a["num_experts_per_tok"])
     attn = b * heads * s * s * 4
     layer_act = t * 4 * (5 * h + 5 * inter + 6 * qd + 2 * kvd) + attn
     logits = 3 * t * v * 4
@@ -295,6 +392,19 @@ def hf_config(arch: str, layers: int) -> Any:
     model_type = fields.pop("model_type")
     fields["num_hidden_layers"] = layers
     return AutoConfig.for_model(model_type, **fields)
+
+
+def checkpoint_depths(configs: list[dict[str, Any]]) -> dict[str, int]:
+    """One checkpoint per architecture, as deep as its deepest configuration; a shallower one
+    loads its first layers (the rest of the file is not read)."""
+    depths: dict[str, int] = {}
+    for c in configs:
+        depths[c["arch"]] = max(depths.get(c["arch"], 0), c["layers"])
+    return depths
+
+
+def checkpoint_dir(root: Path, arch: str, depths: dict[str, int]) -> Path:
+    return root / f"{arch}-L{depths[arch]}"
 
 
 def write_checkpoint(arch: str, layers: int, root: Path) -> Path:
@@ -334,14 +444,21 @@ def write_checkpoint(arch: str, layers: int, root: Path) -> Path:
 def checkpoint_worker(wanted: list[tuple[str, int]], root: str) -> None:
     for arch, layers in wanted:
         t0 = time.time()
-        write_checkpoint(arch, layers, Path(root))
-        print(f"[ckpt] {arch}-L{layers} written in {time.time() - t0:.1f}s", flush=True)
+        try:
+            write_checkpoint(arch, layers, Path(root))
+            print(f"[ckpt] {arch}-L{layers} written in {time.time() - t0:.1f}s", flush=True)
+        except Exception as e:  # its configurations fail one by one, clearly
+            print(f"[ckpt] {arch}-L{layers} FAILED: {type(e).__name__}: {e}", flush=True)
+            failed = Path(root) / f"{arch}-L{layers}"
+            failed.mkdir(parents=True, exist_ok=True)
+            (failed / "failed").write_text(f"{type(e).__name__}: {e}")
 
 
-# --- one configuration, in its own process -----------------------------------------------
+# --- NVML --------------------------------------------------------------------------------
 
 
 def nvml_process_bytes(pid: int) -> int | None:
+    """GPU memory NVML accounts to process `pid` (None when it cannot tell)."""
     try:
         import pynvml
 
@@ -361,106 +478,151 @@ def nvml_process_bytes(pid: int) -> int | None:
         return None
 
 
-def nvml_device_used() -> int | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
-    except Exception:
-        return None
+# --- one run, in its own process ---------------------------------------------------------
 
 
-def run_config(c: dict[str, Any], root: str, device: str, result_path: str) -> None:
+def run_config(c: dict[str, Any], root: str, out: str, dry_run: bool) -> None:
+    """Measure one configuration and write OUT/runs/<id>.json (atomically), whatever happens."""
     t0 = time.time()
-    rec: dict[str, Any] = dict(c)
+    rec: dict[str, Any] = {k: v for k, v in c.items() if k != "trace"}
+    rec["config"] = dict(ARCHS[c["arch"]], num_hidden_layers=c["layers"])
     try:
-        rec.update(_measure(c, Path(root), device))
-    except Exception as e:  # recorded, never fatal for the run
-        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        rec["traceback"] = traceback.format_exc()[-2000:]
+        if dry_run:
+            rec.update(_measure_dry(c))
+        else:
+            rec.update(_measure(c, Path(root), Path(out)))
+    except BaseException as e:  # recorded, never fatal for the run
+        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        rec["traceback"] = traceback.format_exc()[-3000:]
     rec["wall_s"] = round(time.time() - t0, 2)
-    line = json.dumps(rec)
-    with open(result_path, "a") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_json(Path(out) / "runs" / f"{c['run']}.json", rec)
 
 
-def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _measure_dry(c: dict[str, Any]) -> dict[str, Any]:
+    """A stand-in for `_measure` without torch: the scheduler, the files and compare.py run as
+    on the GPU machine. `dry_fail` makes a run fail as real ones can ("raise", "crash",
+    "hang"). The figures are the generous admission guess, not a measurement."""
+    fail = c.get("dry_fail")
+    if fail == "raise":
+        raise RuntimeError("dry run: a failure inside the measurement")
+    if fail == "crash":
+        os._exit(3)
+    if fail == "hang":
+        time.sleep(3600)
+    time.sleep(float(c.get("dry_sleep", 0.05)))
+    rough = int(rough_peak_bytes(c))
+    steps = []
+    for k in range(1, int(c.get("n_steps", 4)) + 1):
+        steps.append(
+            dict(
+                step=k,
+                peak_reserved=rough,
+                peak_allocated=rough * 9 // 10,
+                reserved_end=rough * 8 // 10,
+                nvml_process=rough * 8 // 10 + (751 << 20),
+                outside=751 << 20,
+                alloc_retries=0,
+                loss=math.log(ARCHS[c["arch"]]["vocab_size"]),
+            )
+        )
+    return dict(steps=steps, **_totals(steps))
+
+
+def _totals(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The steady state: the step from the second on with the largest reserved peak plus
+    memory outside the allocator after it."""
+    later = [s for s in steps if s["step"] >= 2 and s.get("outside") is not None]
+    if not later:
+        return dict(measured_total=None)
+    best = max(later, key=lambda s: s["peak_reserved"] + s["outside"])
+    return dict(
+        measured_total=best["peak_reserved"] + best["outside"],
+        measured_reserved=best["peak_reserved"],
+        measured_allocated=max(s["peak_allocated"] for s in later),
+        outside_bytes=best["outside"],
+        steady_step=best["step"],
+        protocol="nvml-steady",
+    )
+
+
+def _measure(c: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     import torch
 
-    cuda = device == "cuda"
     rec: dict[str, Any] = {}
     pid = os.getpid()
-    if cuda:
-        used0 = nvml_device_used()
-        torch.cuda.init()
-        torch.cuda.set_device(0)
-        torch.cuda.synchronize()
-        rec["context_bytes"] = nvml_process_bytes(pid)
-        used1 = nvml_device_used()
-        rec["device_used_delta"] = None if used0 is None or used1 is None else used1 - used0
+    torch.cuda.init()
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize()
+    rec["nvml_after_init"] = nvml_process_bytes(pid)
 
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-    path = root / checkpoint_name(c["arch"], c["layers"])
+    path = Path(c["checkpoint"])
     cfg = AutoConfig.from_pretrained(str(path))
     cfg.num_hidden_layers = c["layers"]
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[: c["layers"]]
-
-    def mem(tag: str) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            rec[tag] = dict(
-                allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved()
-            )
-            mark(tag)
-
-    tracing = cuda and bool(c.get("trace"))
+    if c["loop"] == "plain":
+        cfg.use_cache = False
+    tracing = bool(c.get("trace"))
 
     def mark(tag: str) -> None:
         if tracing and tag in MARK_POINTS:
             torch.empty(MARK + MARK_POINTS.index(tag), dtype=torch.uint8, device="cuda")
 
+    def mem(tag: str) -> None:
+        torch.cuda.synchronize()
+        rec[tag] = dict(
+            allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved()
+        )
+        mark(tag)
+
     if tracing:
         torch.cuda.memory._record_memory_history(
             enabled="all", context="alloc", stacks="python", max_entries=4_000_000
         )
-
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path),
-        config=cfg,
-        quantization_config=bnb,
-        dtype=torch.bfloat16,
-        device_map={"": 0} if cuda else "cpu",
-    )
+    if c["loop"] == "plain":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), config=cfg, quantization_config=bnb, device_map="cuda"
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            config=cfg,
+            quantization_config=bnb,
+            dtype=torch.bfloat16,
+            device_map={"": 0},
+        )
     mem("after_load")
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=c["gc"])
     mem("after_prepare")
     r = c.get("r", 16)
-    lora = LoraConfig(
-        r=r,
-        lora_alpha=2 * r,
-        lora_dropout=c.get("dropout", 0.0),
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(model, lora)
+    lora = dict(r=r, lora_alpha=2 * r, lora_dropout=c.get("dropout", 0.0))
+    lora["target_modules"] = "all-linear"
+    if c["loop"] == "benchmark":
+        lora["task_type"] = "CAUSAL_LM"
+    model = get_peft_model(model, LoraConfig(**lora))
     mem("after_peft")
     model.train()
-    rec["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    rec["attn_implementation"] = model.config._attn_implementation
-    rec["gc_active"] = bool(getattr(model.base_model.model, "is_gradient_checkpointing", False))
     params = [p for p in model.parameters() if p.requires_grad]
+    rec["trainable_params"] = sum(p.numel() for p in params)
+    rec["attn_implementation"] = model.config._attn_implementation
+    rec["gc_active"] = bool(getattr(model.get_base_model(), "is_gradient_checkpointing", False))
     if c.get("optim", "adamw") == "adamw8bit":
         import bitsandbytes
 
@@ -468,84 +630,55 @@ def _measure(c: dict[str, Any], root: Path, device: str) -> dict[str, Any]:
     else:
         opt = torch.optim.AdamW(params, lr=1e-4)
 
-    dev = "cuda" if cuda else "cpu"
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (c["batch"], c["seq"]), generator=gen).to(dev)
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+    vocab, shape = cfg.vocab_size, (c["batch"], c["seq"])
+    if c["loop"] == "benchmark":  # one batch, made before training, kept
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, vocab, shape, generator=gen).to("cuda")
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
 
-    if cuda:
-        h = cfg.num_attention_heads
-        kv = cfg.num_key_value_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-        for dt in (torch.float32, torch.bfloat16):
-            try:
-                q = torch.empty(1, h, 64, d, device="cuda", dtype=dt, requires_grad=True)
-                k = torch.empty(1, kv, 64, d, device="cuda", dtype=dt, requires_grad=True)
-                choice = int(torch._fused_sdp_choice(q, k, k, None, 0.0, True, None, kv != h))
-                rec[f"sdpa_choice_{str(dt)[6:]}"] = SDPA_NAMES.get(choice, str(choice))
-                del q, k
-            except Exception as e:
-                rec[f"sdpa_choice_{str(dt)[6:]}"] = f"probe failed: {e}"
-
-    for step in (1, 2, 3):
-        # Step 2 is the measured step: one reset, peaks over forward + backward + optimizer.
-        # Step 3 repeats it with the peak counters reset per phase, to see where the peak is.
-        phases: dict[str, Any] = {}
-
-        def phase(name: str, phases: dict[str, Any] = phases, step: int = step) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-                phases[name] = dict(
-                    allocated=torch.cuda.memory_allocated(),
-                    reserved=torch.cuda.memory_reserved(),
-                    peak_allocated=torch.cuda.max_memory_allocated(),
-                )
-                if step == 3:
-                    torch.cuda.reset_peak_memory_stats()
-
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        if step in (1, 2):
-            mark(f"step{step}")
-        phase("start")
-        loss = model(**batch).loss
-        phase("forward")
-        loss.backward()
-        phase("backward")
+    steps = []
+    for step in range(1, int(c.get("n_steps", 4)) + 1):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        mark(f"step{step}")
+        if c["loop"] == "plain":
+            ids = torch.randint(0, vocab, shape, device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+            loss = None
+        else:
+            loss = model(**batch).loss
+            loss.backward()
         opt.step()
-        phase("optimizer")
         opt.zero_grad(set_to_none=True)
-        rec[f"loss{step}"] = float(loss.detach())
-        del loss
-        phase("end")
-        if step == 2 and tracing:
-            mark("step2_end")
-            rec["trace_file"] = write_trace(c, torch.cuda.memory._snapshot(), Path(c["trace"]))
+        torch.cuda.synchronize()
+        if step == 3 and tracing:  # setup and three steps
+            rec["trace_file"] = write_trace(c, torch.cuda.memory._snapshot(), out / "traces")
             torch.cuda.memory._record_memory_history(enabled=None)
-        if cuda:
-            stats = torch.cuda.memory_stats()
-            rec[f"step{step}"] = dict(
-                phases=phases,
-                peak_allocated=max(p["peak_allocated"] for p in phases.values()),
+        stats = torch.cuda.memory_stats()
+        reserved_end = torch.cuda.memory_reserved()
+        nvml = nvml_process_bytes(pid)
+        steps.append(
+            dict(
+                step=step,
                 peak_reserved=torch.cuda.max_memory_reserved(),
+                peak_allocated=torch.cuda.max_memory_allocated(),
+                reserved_end=reserved_end,
+                allocated_end=torch.cuda.memory_allocated(),
+                nvml_process=nvml,
+                outside=None if nvml is None else nvml - reserved_end,
                 alloc_retries=stats.get("num_alloc_retries", 0),
                 ooms=stats.get("num_ooms", 0),
-                allocator={
-                    k: stats.get(k, 0)
-                    for k in (
-                        "reserved_bytes.large_pool.current",
-                        "reserved_bytes.small_pool.current",
-                        "inactive_split_bytes.all.peak",
-                        "segment.all.current",
-                        "allocation.all.peak",
-                    )
-                },
+                segments=stats.get("segment.all.current", 0),
+                loss=None if loss is None else float(loss.detach()),
             )
-    if cuda:
-        rec["nvml_process_end"] = nvml_process_bytes(pid)
-        rec["measured_total"] = rec["step2"]["peak_reserved"] + (rec["context_bytes"] or 0)
+        )
+        del loss
+    rec["steps"] = steps
+    rec.update(_totals(steps))
     return rec
+
+
+# --- allocation traces -------------------------------------------------------------------
 
 
 def _frame_tag(frames: list[dict[str, Any]]) -> str:
@@ -576,7 +709,7 @@ def write_trace(c: dict[str, Any], snapshot: dict[str, Any], root: Path) -> str:
             [actions.get(e["action"], 9), e["addr"], e["size"], tags.setdefault(tag, len(tags))]
         )
     segments = [[s["address"], s["total_size"], s["allocated_size"]] for s in snapshot["segments"]]
-    name = "{arch}-L{layers}-b{batch}-s{seq}-gc{gc:d}.json.gz".format(**c)
+    name = f"{c['run']}.json.gz"
     root.mkdir(parents=True, exist_ok=True)
     doc = dict(
         config={k: v for k, v in c.items() if k != "trace"},
@@ -591,206 +724,265 @@ def write_trace(c: dict[str, Any], snapshot: dict[str, Any], root: Path) -> str:
     return name
 
 
-SDPA_NAMES = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+# --- the context probe -------------------------------------------------------------------
 
 
-def context_probe(result_path: str) -> None:
-    """CUDA context alone: NVML per process and device-level delta, nothing else running."""
+def context_probe(out: str) -> None:
+    """What the process holds outside the allocator, alone on the GPU: after CUDA init, after
+    the first tensor op (SPEC §5: 518 and 619 MiB on the H100)."""
     import torch
 
-    used0 = nvml_device_used()
+    pid = os.getpid()
     torch.cuda.init()
     torch.cuda.set_device(0)
     torch.cuda.synchronize()
+    after_init = nvml_process_bytes(pid)
+    x = torch.ones(1024, device="cuda") + 1
+    torch.cuda.synchronize()
     rec = dict(
         probe="context",
-        context_bytes=nvml_process_bytes(os.getpid()),
-        device_used_delta=None if used0 is None else (nvml_device_used() or 0) - used0,
+        after_init=after_init,
+        after_first_op=nvml_process_bytes(pid),
+        reserved_after_first_op=torch.cuda.memory_reserved(),
         device_name=torch.cuda.get_device_name(0),
         device_total=torch.cuda.get_device_properties(0).total_memory,
     )
-    with open(result_path, "a") as f:
+    del x
+    with open(Path(out) / "context.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
 
 
 # --- the scheduler -----------------------------------------------------------------------
 
 
-def _needs_rerun(result_path: Path, c: dict[str, Any]) -> bool:
-    """An OOM or allocator retry while sharing the GPU: measure it again, alone."""
-    if not result_path.exists():
-        return False
-    keys = ("arch", "layers", "batch", "seq", "gc", "r", "dropout", "optim")
-    for line in reversed(result_path.read_text().splitlines()):
-        rec = json.loads(line)
-        if all(rec.get(k) == c.get(k) for k in keys):
-            retries = rec.get("step2", {}).get("alloc_retries", 0)
-            return bool("OutOfMemory" in rec.get("error", "") or retries)
-    return False
+class Running:
+    def __init__(self, proc: Any, c: dict[str, Any], need: float, started: float) -> None:
+        self.proc, self.c, self.need, self.started = proc, c, need, started
+
+
+def finish(run: Running, out: Path, results: Path, timed_out: bool) -> dict[str, Any]:
+    """The run's record (its own file, or what is known of a run that left none), appended to
+    results.jsonl by this process only, so lines never interleave."""
+    path = out / "runs" / f"{run.c['run']}.json"
+    rec: dict[str, Any]
+    if path.exists():
+        rec = json.loads(path.read_text())
+    else:
+        rec = {k: v for k, v in run.c.items() if k != "trace"}
+        rec["config"] = dict(ARCHS[run.c["arch"]], num_hidden_layers=run.c["layers"])
+        rec["wall_s"] = round(time.time() - run.started, 2)
+        if timed_out:
+            rec["error"] = f"timeout: killed after {rec['wall_s']} s"
+        else:
+            rec["error"] = f"the process died (exit code {run.proc.exitcode}) before writing"
+    with open(results, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return rec
+
+
+def needs_rerun(rec: dict[str, Any]) -> bool:
+    """Shared-GPU trouble: an out-of-memory or a cudaMalloc retry distorts the allocator's
+    figures; such a run is measured again alone."""
+    retried = any(s.get("alloc_retries") for s in rec.get("steps", []))
+    return bool(retried or "OutOfMemory" in rec.get("error", ""))
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/memory/results")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting runs after this")
-    ap.add_argument("--gpu-budget-gib", type=float, default=72.0)
-    ap.add_argument("--max-parallel", type=int, default=4)
-    ap.add_argument("--ckpt-root", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated architectures")
-    ap.add_argument("--smoke", action="store_true", help="two tiny configs on the CPU")
-    ap.add_argument(
-        "--holdout", action="store_true", help="measure HOLDOUT_CONFIGS into OUT/holdout.jsonl"
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument(
-        "--trace",
-        action="store_true",
-        help="record the allocator events of TRACE_CONFIGS into OUT/traces.tar instead",
-    )
+    ap.add_argument("--out", required=True, help="directory for results.jsonl and the rest")
+    ap.add_argument("--sets", default=",".join(SETS), help=f"of {', '.join(SETS)}")
+    ap.add_argument("--loops", default="plain", help="plain and/or benchmark, for every set")
+    ap.add_argument("--configs", default=None, help="a JSON list of configurations instead")
+    ap.add_argument("--steps", type=int, default=4, help="training steps per run (>= 3)")
+    ap.add_argument("--parallel", type=int, default=10, help="runs at once at most")
+    ap.add_argument("--gpu-budget-gib", type=float, default=72.0, help="GPU memory to share")
+    ap.add_argument("--timeout-s", type=float, default=180.0, help="per run; then it is killed")
+    ap.add_argument("--deadline-s", type=float, default=400.0, help="no new run after this")
+    ap.add_argument("--ckpt-root", default=None, help="where checkpoints go (/dev/shm)")
+    ap.add_argument("--dry-run", action="store_true", help="no torch, no GPU: check the plumbing")
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error("--steps must be at least 3")
 
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result_path = out / ("holdout.jsonl" if args.holdout else "measured.jsonl")
-    device = "cpu" if args.smoke else "cuda"
-
-    configs = config_matrix()
-    if args.smoke:
-        configs = [c for c in configs if c["arch"] == "tiny"]
-    if args.holdout:
-        configs = list(HOLDOUT_CONFIGS)
-    if args.trace:
-        configs = [dict(c, trace=str(out / "traces")) for c in TRACE_CONFIGS]
-    if args.only:
-        keep = set(args.only.split(","))
-        configs = [c for c in configs if c["arch"] in keep]
-
+    results = out / "results.jsonl"
+    if args.configs:
+        configs = [dict(c) for c in json.loads(Path(args.configs).read_text())]
+        for c in configs:
+            c.setdefault("set", "custom")
+            c.setdefault("loop", "plain")
+    else:
+        loops = [x.strip() for x in args.loops.split(",") if x.strip()]
+        sets = [x.strip() for x in args.sets.split(",") if x.strip()]
+        for name in (*loops, *sets):
+            if name not in (*SETS, "plain", "benchmark"):
+                ap.error(f"unknown set or loop {name!r}")
+        configs = select(sets, loops)
+    depths = checkpoint_depths(configs)
     if args.ckpt_root:
         root = Path(args.ckpt_root)
     else:
         shm = Path("/dev/shm")
         free = shutil.disk_usage(shm).free if shm.exists() else 0
-        root = shm / "nybble-ckpt" if free > 32 * 2**30 else Path("/tmp/nybble-ckpt")
+        root = (
+            shm / "nybble-ckpt"
+            if free > 40 * 2**30
+            else Path(tempfile.gettempdir()) / "nybble-ckpt"
+        )
     root.mkdir(parents=True, exist_ok=True)
-
-    from importlib.metadata import version
-
-    # The parent imports no torch/transformers/peft: on the GPU machine one of those imports
-    # initialises CUDA, after which forking is unsafe. Each child imports them itself.
-    env: dict[str, Any] = dict(
-        python=sys.version.split()[0], ckpt_root=str(root), n_configs=len(configs)
-    )
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
-        try:
-            env[pkg] = version(pkg)
-        except Exception as e:
-            env[pkg] = f"not found: {e}"
-    if not args.smoke:
-        import subprocess
-
-        env["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+    for c in configs:
+        c.setdefault("n_steps", args.steps)
+        if args.dry_run:
+            c["dry_run"] = True
+        c["run"] = f"{config_id(c)}-{c['loop']}"
+        c["checkpoint"] = str(checkpoint_dir(root, c["arch"], depths))
+    env = environment(args, root, len(configs))
     (out / "environment.json").write_text(json.dumps(env, indent=2))
     print(json.dumps(env), flush=True)
 
-    ctx = mp.get_context("fork")
-    names = {checkpoint_name(c["arch"], c["layers"]) for c in configs}
-    order = [(a, n) for a, n in CHECKPOINTS if f"{a}-L{n}" in names]
-    if not args.smoke:
-        probe = ctx.Process(target=context_probe, args=(str(out / "context.jsonl"),))
+    ctx = mp.get_context("fork")  # the parent has not imported torch: forking is safe
+    writers = []
+    if args.dry_run:
+        for arch, layers in depths.items():
+            (root / f"{arch}-L{layers}").mkdir(parents=True, exist_ok=True)
+            (root / f"{arch}-L{layers}" / "done").write_text("dry run")
+    else:
+        probe = ctx.Process(target=context_probe, args=(str(out),))
         probe.start()
-        probe.join()
-    ck = ctx.Process(target=checkpoint_worker, args=(order, str(root)))
-    ck.start()
+        probe.join(timeout=120)
+        # two writers, each taking every other architecture in order of first need
+        order = list(dict.fromkeys(c["arch"] for c in configs))
+        for part in (order[0::2], order[1::2]):
+            wanted = [(a, depths[a]) for a in part]
+            w = ctx.Process(target=checkpoint_worker, args=(wanted, str(root)))
+            w.start()
+            writers.append(w)
 
+    running: list[Running] = []
+    try:
+        schedule(args, configs, running, out, results, root, ctx, t_start)
+    finally:  # whatever happens here, no run is left behind
+        for run in running:
+            if run.proc.is_alive():
+                run.proc.kill()
+        for w in writers:
+            if w.is_alive():
+                w.kill()
+    return 0
+
+
+def schedule(
+    args: argparse.Namespace,
+    configs: list[dict[str, Any]],
+    running: list[Running],
+    out: Path,
+    results: Path,
+    root: Path,
+    ctx: Any,
+    t_start: float,
+) -> None:
+    """Start runs while the GPU budget and `--parallel` allow, collect them as they end."""
     pending = list(configs)
-    running: list[tuple[Any, dict[str, Any], float]] = []
+    rerun_done: set[str] = set()
     budget = args.gpu_budget_gib * 2**30
+    counts = dict(done=0, failed=0)
     while pending or running:
-        now = time.time() - t_start
-        for item in list(running):
-            proc, c, _ = item
-            if not proc.is_alive():
-                proc.join()
-                running.remove(item)
-                print(f"[{now:6.1f}s] done {c} rc={proc.exitcode}", flush=True)
-                if not c.get("exclusive") and _needs_rerun(result_path, c):
-                    pending.insert(0, dict(c, exclusive=True))
-        if now > args.budget_s:
-            if pending:
-                print(
-                    f"[{now:6.1f}s] budget reached; {len(pending)} configs not started", flush=True
-                )
-                (out / "not_run.json").write_text(json.dumps(pending))
+        now = time.time()
+        for run in list(running):
+            timed_out = now - run.started > args.timeout_s
+            if run.proc.is_alive() and not timed_out:
+                continue
+            if timed_out and run.proc.is_alive():
+                run.proc.kill()
+            run.proc.join()
+            running.remove(run)
+            rec = finish(run, out, results, timed_out)
+            ok = "error" not in rec
+            counts["done" if ok else "failed"] += 1
+            total = rec.get("measured_total")
+            print(
+                f"[{now - t_start:6.1f}s] {'done' if ok else 'FAILED'} {run.c['run']} "
+                + (f"total {total / 2**30:.3f} GiB" if total else rec.get("error", "")),
+                flush=True,
+            )
+            if needs_rerun(rec) and run.c["run"] not in rerun_done:
+                rerun_done.add(run.c["run"])
+                pending.append(dict(run.c, exclusive=True))
+        if now - t_start > args.deadline_s and pending:
+            print(f"[{now - t_start:6.1f}s] deadline: {len(pending)} runs not started", flush=True)
+            (out / "not_run.json").write_text(json.dumps(pending, indent=1))
             pending = []
-        in_use = sum(r for _, _, r in running)
+        in_use = sum(r.need for r in running)
         started = False
         for c in list(pending):
-            if len(running) >= args.max_parallel:
+            if len(running) >= args.parallel or any(r.c.get("exclusive") for r in running):
                 break
-            if not (root / checkpoint_name(c["arch"], c["layers"]) / "done").exists():
+            ckpt = Path(c["checkpoint"])
+            if (ckpt / "failed").exists():
+                pending.remove(c)
+                rec = {k: v for k, v in c.items() if k != "trace"}
+                rec["error"] = "checkpoint: " + (ckpt / "failed").read_text()
+                with open(results, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                counts["failed"] += 1
+                continue
+            if not (ckpt / "done").exists():
                 continue
             need = rough_peak_bytes(c)
             if running and (in_use + need > budget or c.get("exclusive")):
                 continue
-            if any(r[1].get("exclusive") for r in running):
-                break
-            proc = ctx.Process(target=run_config, args=(c, str(root), device, str(result_path)))
+            proc = ctx.Process(target=run_config, args=(c, str(root), str(out), args.dry_run))
             proc.start()
-            running.append((proc, c, need))
+            running.append(Running(proc, c, need, time.time()))
             pending.remove(c)
             in_use += need
             started = True
-            print(f"[{now:6.1f}s] start {c} (rough {need / 2**30:.1f} GiB)", flush=True)
+            print(f"[{time.time() - t_start:6.1f}s] start {c['run']} (~{need / 2**30:.1f} GiB)")
         if not started:
-            time.sleep(0.2)
-        if time.time() - t_start > args.budget_s + 90:
-            for proc, c, _ in running:
-                print(f"killing {c}", flush=True)
-                proc.kill()
-            break
-    if ck.is_alive():
-        ck.kill()
-    print(f"finished in {time.time() - t_start:.1f}s", flush=True)
-    if args.trace and (out / "traces").is_dir():
-        import tarfile
-
-        with tarfile.open(out / "traces.tar", "w") as tar:
-            tar.add(out / "traces", arcname="traces")
-        shutil.rmtree(out / "traces")
-    print_summary(result_path)
-    return 0
+            time.sleep(0.1)
+    print(
+        f"finished in {time.time() - t_start:.1f}s: {counts['done']} measured, "
+        f"{counts['failed']} failed; results in {results}",
+        flush=True,
+    )
 
 
-def print_summary(result_path: Path) -> None:
-    if not result_path.exists():
-        return
-    gib = 2**30
-    for line in result_path.read_text().splitlines():
-        r = json.loads(line)
-        head = f"{r['arch']:>13} L{r['layers']:<2} b{r['batch']} s{r['seq']:<5} gc={int(r['gc'])}"
-        head += "".join(f" {k}={r[k]}" for k in ("r", "dropout", "optim") if k in r)
-        if "error" in r or "step2" not in r:
-            print(head, "ERROR", r.get("error", "no step2"))
-            continue
-        s2, s3 = r["step2"], r["step3"]
-        ph = {k: round(v["peak_allocated"] / gib, 3) for k, v in s3["phases"].items()}
-        print(
-            head,
-            f"total {r['measured_total'] / gib:.3f}",
-            f"res {s2['peak_reserved'] / gib:.3f}",
-            f"alloc {s2['peak_allocated'] / gib:.3f}",
-            f"ctx {(r.get('context_bytes') or 0) / 2**20:.0f}M",
-            f"s3res {s3['peak_reserved'] / gib:.3f}",
-            f"retry {s2['alloc_retries']}",
-            f"sdpa {r.get('sdpa_choice_float32')}",
-            f"ph {ph}",
-            flush=True,
-        )
+def environment(args: argparse.Namespace, root: Path, n: int) -> dict[str, Any]:
+    """Versions and the machine (the parent imports none of these packages)."""
+    from importlib.metadata import version
+
+    env: dict[str, Any] = dict(
+        python=sys.version.split()[0], ckpt_root=str(root), runs=n, dry_run=args.dry_run
+    )
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "nvidia-ml-py"):
+        try:
+            env[pkg] = version(pkg)
+        except Exception as e:
+            env[pkg] = f"not found: {type(e).__name__}"
+    if not args.dry_run:
+        import subprocess
+
+        with contextlib.suppress(OSError):
+            env["nvidia_smi"] = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,memory.total,driver_version",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
+    return env
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

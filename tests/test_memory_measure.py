@@ -1,0 +1,119 @@
+"""The GPU measurement script's plumbing, run here without torch (--dry-run): every
+configuration in a fresh process, several at once, a failing, crashing or hanging run
+recorded and the others measured, and compare.py's table made from what it wrote."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory"
+
+
+def _module(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+measure = _module("measure_peft_bnb")
+compare = _module("compare")
+
+
+def test_the_sets_cover_what_the_validation_needs() -> None:
+    runs = measure.select(list(measure.SETS), ["plain"])
+    by_set = {name: [r for r in runs if r["set"] == name] for name in measure.SETS}
+    assert len(by_set["committed"]) == 53  # the 51 committed and the 2 the budget left out
+    assert len(by_set["new"]) >= 8 and len(by_set["holdout"]) == 14
+    assert {r["loop"] for r in by_set["diagnose"]} == {"plain", "benchmark"}
+    ids = [measure.config_id(r) + r["loop"] for r in runs if r["set"] != "diagnose"]
+    assert len(ids) == len(set(ids))
+    old = {measure.config_id(c) for c in measure.committed_configs() + measure.HOLDOUT_CONFIGS}
+    assert not old & {measure.config_id(c) for c in measure.NEW_CONFIGS}
+    for r in runs:  # every architecture is one the estimator reads
+        assert compare.estimate_for(dict(r, config=measure.ARCHS[r["arch"]])).total_bytes > 0
+
+
+def test_the_steady_state_is_the_largest_step_from_the_second() -> None:
+    steps = [
+        dict(step=1, peak_reserved=100, peak_allocated=90, outside=10),
+        dict(step=2, peak_reserved=120, peak_allocated=95, outside=10),
+        dict(step=3, peak_reserved=110, peak_allocated=95, outside=12),
+    ]
+    totals = measure._totals(steps)
+    assert totals["measured_total"] == 130 and totals["steady_step"] == 2
+    assert measure._totals(steps[:1])["measured_total"] is None
+
+
+def test_a_dry_run_survives_failing_runs(tmp_path: Path) -> None:
+    configs = [
+        dict(arch="tiny", layers=2, batch=1, seq=128, gc=True),
+        dict(arch="qwen3-0.6b", layers=28, batch=1, seq=512, gc=False, loop="benchmark"),
+        dict(arch="tiny", layers=2, batch=2, seq=128, gc=True, dry_fail="raise"),
+        dict(arch="tiny", layers=2, batch=3, seq=128, gc=True, dry_fail="crash"),
+        dict(arch="tiny", layers=2, batch=4, seq=128, gc=True, dry_fail="hang"),
+    ]
+    listing = tmp_path / "configs.json"
+    listing.write_text(json.dumps(configs))
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "measure_peft_bnb.py"),
+            "--out",
+            str(out),
+            "--configs",
+            str(listing),
+            "--dry-run",
+            "--timeout-s",
+            "3",
+            "--ckpt-root",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 60
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == len(configs)
+    errors = {r["batch"]: r.get("error", "") for r in records if r["arch"] == "tiny"}
+    assert errors[1] == ""
+    assert "RuntimeError" in errors[2]
+    assert "exit code 3" in errors[3]
+    assert errors[4].startswith("timeout")
+    good = [r for r in records if "error" not in r]
+    assert len(good) == 2, good
+    assert all(len(r["steps"]) == 4 and r["measured_total"] > 0 for r in good), good
+    assert json.loads((out / "environment.json").read_text())["dry_run"] is True
+
+    table = compare.rows(out / "results.jsonl")
+    assert len(table) == len(configs)
+    assert sum("error" in r for r in table) == 3
+    assert all(r["protocol"] == "dry run" for r in table)
+    text = compare.render(table)
+    assert "FAILED" in text and "custom (dry run): 2 runs" in text
+    assert compare.main(["--measured", str(out / "results.jsonl"), "--write", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "comparison.json").read_text())[0]["arch"] == "tiny"
+    assert (tmp_path / "comparison.csv").read_text().startswith("arch,")
+
+
+@pytest.mark.parametrize("name", ["measured.jsonl", "holdout.jsonl"])
+def test_old_protocol_rows_are_recomputed_and_marked(name: str) -> None:
+    table = compare.rows(BENCH / "results" / name)
+    assert table and all(
+        r["protocol"] == "old protocol" and r["loop"] == "benchmark" for r in table
+    )
+    assert all(abs(r["error_total"]) <= compare.TOLERANCE for r in table)
