@@ -131,6 +131,8 @@ unsafe fn quantize_nf4_blocks<T: Input>(
     use scalar::{Scale, NON_FINITE_BITS};
 
     let full = x.len() / bs;
+    // Guards the raw pointers below (soundness, not error handling): `codec` has checked
+    // these lengths and the blocksize before any kernel runs, so it cannot fire from Python.
     assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
     for b in 0..full {
         let p = x.as_ptr().add(b * bs);
@@ -180,6 +182,7 @@ unsafe fn dequantize_4bit_blocks<O: Output, Table: Copy>(
         return scalar::dequantize(format, codes, absmax, bs, out);
     };
     let full = out.len() / bs;
+    // As in `quantize_nf4_blocks`: checked by `codec` first.
     assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
     for (b, &a) in absmax.iter().enumerate().take(full) {
         let t = table(values, a);
