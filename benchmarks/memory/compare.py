@@ -79,12 +79,20 @@ def _variant(rec: dict[str, Any]) -> str:
     return " ".join(f"{k}={rec[k]}" for k in ("r", "dropout", "optim") if k in rec)
 
 
+def records(path: Path) -> list[dict[str, Any]]:
+    """The records of a results file; of a run measured twice (again alone, after sharing the
+    GPU went wrong) the last."""
+    found: dict[Any, dict[str, Any]] = {}
+    for n, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            rec = json.loads(line)
+            found[rec.get("run", n)] = rec
+    return list(found.values())
+
+
 def rows(path: Path, set_name: str | None = None) -> list[dict[str, Any]]:
     out = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for rec in records(path):
         base = dict(
             set=rec.get("set", set_name or path.stem),
             arch=rec["arch"],

@@ -801,8 +801,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="training steps per run (>= 3)")
     ap.add_argument("--parallel", type=int, default=10, help="runs at once at most")
     ap.add_argument("--gpu-budget-gib", type=float, default=72.0, help="GPU memory to share")
-    ap.add_argument("--timeout-s", type=float, default=180.0, help="per run; then it is killed")
-    ap.add_argument("--deadline-s", type=float, default=400.0, help="no new run after this")
+    ap.add_argument("--timeout-s", type=float, default=150.0, help="per run; then it is killed")
+    ap.add_argument("--deadline-s", type=float, default=380.0, help="no new run after this")
     ap.add_argument("--ckpt-root", default=None, help="where checkpoints go (/dev/shm)")
     ap.add_argument("--dry-run", action="store_true", help="no torch, no GPU: check the plumbing")
     args = ap.parse_args()
@@ -938,6 +938,8 @@ def schedule(
             need = rough_peak_bytes(c)
             if running and (in_use + need > budget or c.get("exclusive")):
                 continue
+            with contextlib.suppress(FileNotFoundError):  # a stale one from an earlier run
+                (out / "runs" / f"{c['run']}.json").unlink()
             proc = ctx.Process(target=run_config, args=(c, str(root), str(out), args.dry_run))
             proc.start()
             running.append(Running(proc, c, need, time.time()))
