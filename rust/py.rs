@@ -76,12 +76,20 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Size {
                 Err(PyValueError::new_err(format!(
                     "expected a size from 0 to {}, got {}",
                     usize::MAX,
-                    obj.to_owned()
+                    shown(obj)
                 )))
             }
             Err(e) => Err(e),
         }
     }
+}
+
+/// `repr(obj)` for a message; an int too long for `repr` (Python refuses > 4300 digits) is
+/// named, not printed.
+fn shown(obj: Borrowed<'_, '_, PyAny>) -> String {
+    obj.repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "an integer too long to print".to_owned())
 }
 
 /// A float argument (`alpha`, `scale`, `offset`): finite once rounded to f32. An int too
@@ -95,7 +103,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Finite {
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         let bad =
-            || PyValueError::new_err(format!("expected a finite float32, got {}", obj.to_owned()));
+            || PyValueError::new_err(format!("expected a finite float32, got {}", shown(obj)));
         match obj.extract::<f64>() {
             Ok(v) if (v as f32).is_finite() => Ok(Finite(v as f32)),
             Ok(_) => Err(bad()),

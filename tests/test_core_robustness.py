@@ -254,6 +254,15 @@ def test_bad_element_counts_of_the_block_layout_are_value_errors(n: int) -> None
     raises(ValueError, _core.from_blocks36, np.zeros(36, np.uint8), n)
 
 
+def test_integers_too_long_to_print_are_value_errors() -> None:
+    """Python refuses str() of an int over 4300 digits; the message must not need it."""
+    huge = 10**5000
+    raises(ValueError, _core.from_blocks36, np.zeros(36, np.uint8), huge)
+    raises(ValueError, _core.quantize, np.ones(64, F32), -huge, "nf4")
+    c2, a2 = _core.double_quantize(np.ones(4, F32))[0]
+    raises(ValueError, _core.double_dequantize, c2, a2, huge)
+
+
 def test_the_block_layout_holds_4_bit_codes_only() -> None:
     for codebook in ("int8", "dynamic8"):
         raises(ValueError, _core.to_blocks36, np.zeros(1, np.uint8), np.ones(1, F32), 1, codebook)
