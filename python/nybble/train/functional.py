@@ -1,0 +1,435 @@
+"""The parts of the decoder, each a forward and a hand-written backward over an array
+namespace `xp` (numpy on the CPU, CuPy on the GPU): embedding, RMSNorm, rotary positions,
+causal grouped-query attention, the SwiGLU MLP's gate, and the LM head with cross-entropy.
+docs/training.md ("The math") states every formula; the numerics follow HF's Llama.
+
+Dtypes: activations come in the compute dtype (float32 on the CPU, bfloat16 on the GPU, or
+float64 for gradient checks) and go out in it; reductions, normalisation and softmax run in
+float32 (float64 for float64 inputs), as HF's RMSNorm and softmax do. Weight gradients come out
+in that accumulation dtype.
+
+Attention never holds the whole [T, T] score matrix: queries go in chunks of positions whose
+scores fit `chunk_elements`, and backward recomputes each chunk's probabilities from the
+saved log-sum-exp (as flash attention does). On the GPU the softmax of a chunk and its
+gradient run as one fused kernel each (train/_cuda.py); elsewhere the same math in `xp`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .config import TransformerConfig
+
+Array = Any
+#: The largest number of attention scores of one chunk (per chunk: 2 buffers of this many
+#: elements in backward, 1 in forward).
+ATTENTION_CHUNK_ELEMENTS = 1 << 25
+#: The largest number of logits of one chunk of the LM head.
+HEAD_CHUNK_ELEMENTS = 1 << 25
+
+
+def accumulate_dtype(dtype: Any) -> Any:
+    """float64 for float64 activations, float32 for every other."""
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+# --- embedding ----------------------------------------------------------------------------
+
+
+def embedding_forward(weight: Array, ids: Array, dtype: Any) -> Array:
+    """weight[ids] in `dtype`: ids [...] -> [..., hidden]."""
+    return weight[ids].astype(dtype, copy=False)
+
+
+def embedding_backward(xp: Any, grad: Array, ids: Array, vocab_size: int) -> Array:
+    """dL/dweight [vocab, hidden] for grad [N, hidden] of the rows ids [N]: the rows of each
+    token summed. A one-hot product over the distinct tokens keeps the sum in a fixed order
+    (an atomic scatter would not be deterministic on the GPU)."""
+    acc = accumulate_dtype(grad.dtype)
+    out = xp.zeros((vocab_size, grad.shape[-1]), acc)
+    step = 4096
+    for start in range(0, int(ids.shape[0]), step):
+        chunk = ids[start : start + step]
+        tokens, inverse = xp.unique(chunk, return_inverse=True)
+        onehot = (xp.arange(tokens.shape[0])[:, None] == inverse.reshape(1, -1)).astype(acc)
+        out[tokens] += onehot @ grad[start : start + step].astype(acc, copy=False)
+    return out
+
+
+# --- RMSNorm --------------------------------------------------------------------------------
+
+
+def rms_norm_forward(xp: Any, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+    """y = weight * x / sqrt(mean(x²) + eps) over the last axis, in float32 (HF's LlamaRMSNorm);
+    returns y in x's dtype and 1/sqrt(mean(x²) + eps) [..., 1] for backward."""
+    acc = accumulate_dtype(x.dtype)
+    xf = x.astype(acc)
+    rstd = xf * xf
+    rstd = rstd.mean(axis=-1, keepdims=True)
+    rstd += eps
+    rstd = 1.0 / xp.sqrt(rstd)
+    xf *= rstd
+    xf *= weight.astype(acc, copy=False)
+    return xf.astype(x.dtype, copy=False), rstd
+
+
+def rms_norm_backward(
+    xp: Any, dy: Array, x: Array, rstd: Array, weight: Array, weight_grad: bool
+) -> tuple[Array, Array | None]:
+    """(dL/dx in dy's dtype, dL/dweight or None). With x̂ = x·rstd and g = dy·weight:
+    dx = rstd·(g - x̂·mean(g·x̂)), dweight = Σ_rows dy·x̂."""
+    acc = accumulate_dtype(x.dtype)
+    xhat = x.astype(acc) * rstd
+    g = dy.astype(acc)
+    dw = None
+    if weight_grad:
+        dw = (g * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+    g *= weight.astype(acc, copy=False)
+    dot = (g * xhat).mean(axis=-1, keepdims=True)
+    xhat *= dot
+    g -= xhat
+    g *= rstd
+    return g.astype(dy.dtype, copy=False), dw
+
+
+# --- rotary positions -----------------------------------------------------------------------
+
+
+def rope_inverse_frequencies(config: TransformerConfig) -> np.ndarray:
+    """inv_freq [head_dim/2] in float32, as HF computes it (default, linear and llama3)."""
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    rope = config.rope_scaling
+    if rope.rope_type == "linear":
+        inv_freq = (inv_freq / np.float32(rope.factor)).astype(np.float32)
+    elif rope.rope_type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rope_tables(config: TransformerConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [length, head_dim] (float32, host) for positions 0..length-1: the angles
+    position·inv_freq computed in float32, the two halves of the head sharing them (HF's
+    `cat(freqs, freqs)`)."""
+    inv_freq = rope_inverse_frequencies(config)
+    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope_forward(x: Array, cos: Array, sin: Array) -> Array:
+    """x·cos + rotate_half(x)·sin for x [B, T, heads, D] and tables [T, D], where
+    rotate_half(x) = cat(-x₂, x₁) (HF's convention: the halves of the head are the pairs)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    y = x * c
+    y[..., :half] -= x[..., half:] * s[..., :half]
+    y[..., half:] += x[..., :half] * s[..., half:]
+    return y
+
+
+def rope_backward(dy: Array, cos: Array, sin: Array) -> Array:
+    """The transpose of rope_forward: dy·cos + rotate_halfᵀ(dy·sin), rotate_halfᵀ(z) =
+    cat(z₂, -z₁)."""
+    half = dy.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    dx = dy * c
+    dx[..., :half] += dy[..., half:] * s[..., half:]
+    dx[..., half:] -= dy[..., :half] * s[..., :half]
+    return dx
+
+
+# --- causal attention ------------------------------------------------------------------------
+
+
+class SoftmaxKernels:
+    """The causal softmax of a chunk of scores and its gradient, in `xp`. Scores `s` are
+    [batch, rows, keys] (rows: `group` query heads per position, positions from `t0`);
+    `lse` and `delta` are [batch, positions · group], of which the chunk covers
+    [t0·group, t0·group + rows)."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def _mask(
+        self, rows: int, keys: int, t0: int, group: int, window: int | None, dtype: Any
+    ) -> Array:
+        """[rows, keys]: 0 where row may see the key, -inf where it may not (a later position,
+        or one beyond the sliding window). Added before exp, so masked entries are exactly 0."""
+        xp = self.xp
+        pos = t0 + xp.arange(rows) // group
+        key = xp.arange(keys)
+        invalid = key[None, :] > pos[:, None]
+        if window is not None:
+            invalid |= key[None, :] <= pos[:, None] - window
+        return xp.where(invalid, -np.inf, 0.0).astype(dtype)
+
+    def forward(
+        self, s: Array, lse: Array, t0: int, group: int, window: int | None, scale: float
+    ) -> None:
+        """s ← softmax(scale·s) over the keys each row may see; lse ← its log-sum-exp."""
+        xp = self.xp
+        rows, keys = s.shape[-2:]
+        acc = accumulate_dtype(s.dtype)
+        sf = s.astype(acc) * scale
+        sf += self._mask(rows, keys, t0, group, window, acc)
+        m = sf.max(axis=-1, keepdims=True)
+        sf -= m
+        xp.exp(sf, out=sf)
+        total = sf.sum(axis=-1, keepdims=True)
+        sf /= total
+        s[...] = sf.astype(s.dtype, copy=False)
+        start = t0 * group
+        lse[:, start : start + rows] = (m + xp.log(total))[..., 0].reshape(lse.shape[0], rows)
+
+    def backward(
+        self,
+        s: Array,
+        dp: Array,
+        lse: Array,
+        delta: Array,
+        t0: int,
+        group: int,
+        window: int | None,
+        scale: float,
+    ) -> None:
+        """s ← P = exp(scale·s - lse) (0 where masked), dp ← dS = P·(dp - delta)·scale."""
+        xp = self.xp
+        rows, keys = s.shape[-2:]
+        acc = accumulate_dtype(s.dtype)
+        start = t0 * group
+        lse_c = lse[:, start : start + rows].reshape(s.shape[0], rows, 1)
+        delta_c = delta[:, start : start + rows].reshape(s.shape[0], rows, 1)
+        p = s.astype(acc) * scale
+        p += self._mask(rows, keys, t0, group, window, acc)
+        p -= lse_c
+        xp.exp(p, out=p)
+        ds = dp.astype(acc) - delta_c
+        ds *= p
+        ds *= scale
+        s[...] = p.astype(s.dtype, copy=False)
+        dp[...] = ds.astype(dp.dtype, copy=False)
+
+
+def attention_chunks(
+    batch: int, positions: int, group: int, chunk_elements: int
+) -> list[tuple[int, int]]:
+    """Position ranges [t0, t1) whose scores (batch·(t1-t0)·group rows x up to `positions`
+    keys) fit `chunk_elements`; at least one position per chunk."""
+    per_position = max(1, batch * group * positions)
+    step = max(1, min(positions, chunk_elements // per_position))
+    return [(t0, min(t0 + step, positions)) for t0 in range(0, positions, step)]
+
+
+def attention_forward(
+    xp: Any,
+    q: Array,
+    k: Array,
+    v: Array,
+    scale: float,
+    window: int | None,
+    softmax: SoftmaxKernels,
+    chunk_elements: int = ATTENTION_CHUNK_ELEMENTS,
+) -> tuple[Array, Array]:
+    """Causal attention. q [B, kv_heads, T, group, D] (query head h = kv·group + i, HF's
+    repeat_kv order), k, v [B, kv_heads, T, D], all C-contiguous. Returns the output
+    [B, T, kv_heads, group, D] (the layout o_proj reads) and the log-sum-exp of every row
+    [B·kv_heads, T·group] (float32)."""
+    b, kv, t, group, d = q.shape
+    nb = b * kv
+    qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
+    out = xp.empty((b, t, kv, group, d), q.dtype)
+    lse = xp.empty((nb, t * group), accumulate_dtype(q.dtype))
+    for t0, t1 in attention_chunks(nb, t, group, chunk_elements):
+        rows = (t1 - t0) * group
+        qc = qb[:, t0:t1].reshape(nb, rows, d)
+        s = xp.matmul(qc, kb[:, :t1].transpose(0, 2, 1))
+        softmax.forward(s, lse, t0, group, window, scale)
+        oc = xp.matmul(s, vb[:, :t1])
+        out[:, t0:t1] = oc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
+    return out, lse
+
+
+def attention_backward(
+    xp: Any,
+    do: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
+    scale: float,
+    window: int | None,
+    softmax: SoftmaxKernels,
+    chunk_elements: int = ATTENTION_CHUNK_ELEMENTS,
+) -> tuple[Array, Array, Array]:
+    """Gradients of attention_forward for do [B, T, kv_heads, group, D]: dq in the same layout
+    as do, dk and dv [B, T, kv_heads, D], all in do's dtype. Per chunk, with P recomputed
+    from lse: dP = dO·Vᵀ, dS = P·(dP - rowsum(dO·O))·scale, dQ = dS·K, dK += dSᵀ·Q,
+    dV += Pᵀ·dO (the key/value gradients summed over the group in float32)."""
+    b, kv, t, group, d = q.shape
+    nb = b * kv
+    acc = accumulate_dtype(do.dtype)
+    delta = (do.astype(acc) * out.astype(acc)).sum(axis=-1)  # [B, T, kv, group]
+    delta = xp.ascontiguousarray(delta.transpose(0, 2, 1, 3)).reshape(nb, t * group)
+    dob = xp.ascontiguousarray(do.transpose(0, 2, 1, 3, 4)).reshape(nb, t, group, d)
+    qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
+    dq = xp.empty((b, t, kv, group, d), do.dtype)
+    dk = xp.zeros((nb, t, d), acc)
+    dv = xp.zeros((nb, t, d), acc)
+    for t0, t1 in attention_chunks(nb, t, group, chunk_elements):
+        rows = (t1 - t0) * group
+        qc = qb[:, t0:t1].reshape(nb, rows, d)
+        doc = dob[:, t0:t1].reshape(nb, rows, d)
+        s = xp.matmul(qc, kb[:, :t1].transpose(0, 2, 1))
+        dp = xp.matmul(doc, vb[:, :t1].transpose(0, 2, 1))
+        softmax.backward(s, dp, lse, delta, t0, group, window, scale)
+        dv[:, :t1] += xp.matmul(s.transpose(0, 2, 1), doc).astype(acc, copy=False)
+        dk[:, :t1] += xp.matmul(dp.transpose(0, 2, 1), qc).astype(acc, copy=False)
+        dqc = xp.matmul(dp, kb[:, :t1])
+        dq[:, t0:t1] = dqc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
+    dk_out = dk.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)
+    dv_out = dv.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)
+    return dq, dk_out, dv_out
+
+
+# --- SwiGLU ---------------------------------------------------------------------------------
+
+
+class GateKernels:
+    """silu(gate)·up and its gradient, in `xp` (float32 math, results in the input dtype)."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def _sigmoid(self, gf: Array) -> Array:
+        # 0.5·(1 + tanh(g/2)): the logistic function without exp's overflow for large -g.
+        s = self.xp.tanh(gf * 0.5)
+        s += 1
+        s *= 0.5
+        return s
+
+    def forward(self, gate: Array, up: Array) -> Array:
+        acc = accumulate_dtype(gate.dtype)
+        gf = gate.astype(acc)
+        a = self._sigmoid(gf)
+        a *= gf
+        a *= up.astype(acc, copy=False)
+        return a.astype(gate.dtype, copy=False)
+
+    def backward(self, da: Array, gate: Array, up: Array) -> tuple[Array, Array]:
+        """(dgate, dup): dup = da·silu(g), dgate = da·up·sig(g)·(1 + g·(1 - sig(g)))."""
+        acc = accumulate_dtype(gate.dtype)
+        gf = gate.astype(acc)
+        sig = self._sigmoid(gf)
+        daf = da.astype(acc)
+        dup = daf * sig
+        dup *= gf
+        dgate = 1 - sig
+        dgate *= gf
+        dgate += 1
+        dgate *= sig
+        dgate *= daf
+        dgate *= up.astype(acc, copy=False)
+        return dgate.astype(da.dtype, copy=False), dup.astype(da.dtype, copy=False)
+
+
+# --- LM head and cross-entropy ---------------------------------------------------------------
+
+
+def head_chunks(rows: int, vocab: int, chunk_elements: int) -> list[tuple[int, int]]:
+    step = max(1, min(rows, chunk_elements // max(1, vocab)))
+    return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+
+
+def head_cross_entropy(
+    xp: Any,
+    h: Array,
+    head_weight: Array,
+    targets: Array,
+    count: int,
+    matmul: Callable[[Array, Array], Array],
+    grad: bool,
+    weight_grad: bool = False,
+    chunk_elements: int = HEAD_CHUNK_ELEMENTS,
+) -> tuple[Array, Array | None, Array | None]:
+    """Mean cross-entropy of logits = h·Wᵀ (h [N, hidden], W [vocab, hidden]) against targets
+    [N] (a negative target is ignored; `count` is the number of the others), computed a chunk
+    of rows at a time so the [N, vocab] logits never exist whole. The logits are rounded to
+    h's dtype and the log-softmax runs in float32 (HF's `logits.float()`).
+
+    With `grad`, also dL/dh (h's dtype) and, with `weight_grad`, dL/dW (float32): the
+    gradient of the logits, (softmax - onehot)/count, is formed chunk by chunk and multiplied
+    out at once. Returns (loss as a 0-d device array, dh, dW)."""
+    acc = accumulate_dtype(h.dtype)
+    n = int(h.shape[0])
+    vocab = int(head_weight.shape[0])
+    total = xp.zeros((), np.float64)
+    dh = xp.empty_like(h) if grad else None
+    dw = xp.zeros(head_weight.shape, acc) if grad and weight_grad else None
+    inv_count = 1.0 / max(count, 1)
+    for r0, r1 in head_chunks(n, vocab, chunk_elements):
+        rows = xp.arange(r1 - r0)
+        hc = h[r0:r1]
+        tc = targets[r0:r1]
+        valid = tc >= 0
+        safe = xp.where(valid, tc, 0)
+        logits = matmul(hc, head_weight.T)
+        lf = logits.astype(acc)
+        del logits
+        m = lf.max(axis=-1, keepdims=True)
+        lf -= m
+        picked = lf[rows, safe]
+        xp.exp(lf, out=lf)
+        sums = lf.sum(axis=-1)
+        losses = xp.log(sums) - picked
+        total += (losses * valid).sum(dtype=np.float64)
+        if not grad:
+            continue
+        weight = valid.astype(acc) * inv_count  # [rows]
+        lf *= (weight / sums)[:, None]
+        lf[rows, safe] -= weight
+        dlogits = lf.astype(h.dtype, copy=False)
+        del lf
+        assert dh is not None
+        dh[r0:r1] = matmul(dlogits, head_weight)
+        if dw is not None:
+            dw += matmul(dlogits.T, hc).astype(acc, copy=False)
+    loss = total * inv_count
+    return loss, dh, dw
+
+
+__all__ = [
+    "ATTENTION_CHUNK_ELEMENTS",
+    "HEAD_CHUNK_ELEMENTS",
+    "GateKernels",
+    "SoftmaxKernels",
+    "accumulate_dtype",
+    "attention_backward",
+    "attention_chunks",
+    "attention_forward",
+    "embedding_backward",
+    "embedding_forward",
+    "head_cross_entropy",
+    "rms_norm_backward",
+    "rms_norm_forward",
+    "rope_backward",
+    "rope_forward",
+    "rope_inverse_frequencies",
+    "rope_tables",
+]

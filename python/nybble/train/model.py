@@ -1,0 +1,562 @@
+"""DecoderLM: a decoder-only language model with HF Llama's module names and math, written once
+over the backend seam (nybble.backends: numpy + the Rust core on the CPU, CuPy on the GPU).
+Its linear projections are LoRA / QLoRA layers (nybble.lora), frozen weights, or trainable
+weights (full fine-tuning); every part's backward is written by hand (train/functional.py).
+
+The trainable parameters live in one flat float32 buffer (`flat`), each parameter a view into
+it, so the optimizer updates them all with a few whole-buffer operations and a checkpoint
+stores them as one array; their gradients are gathered into `flat_gradients()` in the same
+order. docs/training.md describes the model, its memory and the dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backends import Backend
+from ..formats import numpy_dtype
+from ..lora.adapter import LoraAdapter
+from ..lora.config import LoraConfig
+from ..tensor import NF4Tensor, quantize
+from . import functional as F
+from .config import TransformerConfig
+from .linear import (
+    FrozenDense,
+    FrozenQuantized,
+    LoraProjection,
+    Projection,
+    TrainableDense,
+    matmul,
+)
+
+Array = Any
+#: Projections of a decoder layer by their short name, with their path below the layer.
+PROJECTIONS = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+#: Compute dtypes the model runs in (float64: the CPU gradient checks, without LoRA).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float64")
+
+
+def layer_prefix(index: int) -> str:
+    return f"model.layers.{index}"
+
+
+@dataclass
+class _Saved:
+    """What a decoder layer's backward needs from its forward."""
+
+    x: Array
+    rstd_in: Array
+    q_raw: Array | None
+    rstd_q: Array | None
+    k_raw: Array | None
+    rstd_k: Array | None
+    q: Array
+    k: Array
+    v: Array
+    attn: Array
+    lse: Array
+    h: Array
+    rstd_post: Array
+    gate: Array
+    up: Array
+
+
+class DecoderLayer:
+    """One block: RMSNorm → attention (rotary, GQA, causal) → residual → RMSNorm → SwiGLU MLP →
+    residual. Its norm weights live in the model's `weights`; its projections here."""
+
+    def __init__(self, model: DecoderLM, index: int, projections: dict[str, Projection]) -> None:
+        self.model = model
+        self.index = index
+        self.prefix = layer_prefix(index)
+        self.proj = projections
+
+    def _w(self, name: str) -> Array:
+        return self.model.weights[f"{self.prefix}.{name}.weight"]
+
+    def forward(self, x: Array, keep: bool) -> tuple[Array, _Saved | None]:
+        m = self.model
+        cfg, xp = m.config, m.xp
+        b, t, hidden = x.shape
+        n = b * t
+        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        p = self.proj
+        x2 = x.reshape(n, hidden)
+        n1, rstd_in = F.rms_norm_forward(xp, x2, self._w("input_layernorm"), cfg.rms_norm_eps)
+        q = p["q_proj"].forward(n1).reshape(b, t, heads, d)
+        k = p["k_proj"].forward(n1).reshape(b, t, kv, d)
+        v = p["v_proj"].forward(n1).reshape(b, t, kv, d)
+        del n1
+        q_raw = k_raw = rstd_q = rstd_k = None
+        if cfg.qk_norm:
+            q_raw, k_raw = q, k
+            q, rstd_q = F.rms_norm_forward(xp, q, self._w("self_attn.q_norm"), cfg.rms_norm_eps)
+            k, rstd_k = F.rms_norm_forward(xp, k, self._w("self_attn.k_norm"), cfg.rms_norm_eps)
+        cos, sin = m.rope(t)
+        group = cfg.group_size
+        qt = xp.ascontiguousarray(
+            F.rope_forward(q, cos, sin).reshape(b, t, kv, group, d).transpose(0, 2, 1, 3, 4)
+        )
+        kt = xp.ascontiguousarray(F.rope_forward(k, cos, sin).transpose(0, 2, 1, 3))
+        vt = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
+        del q, k, v
+        attn, lse = F.attention_forward(
+            xp, qt, kt, vt, m.scale, cfg.sliding_window, m.softmax, m.attention_chunk_elements
+        )
+        h = x2 + p["o_proj"].forward(attn.reshape(n, heads * d))
+        n2, rstd_post = F.rms_norm_forward(
+            xp, h, self._w("post_attention_layernorm"), cfg.rms_norm_eps
+        )
+        gate = p["gate_proj"].forward(n2)
+        up = p["up_proj"].forward(n2)
+        del n2
+        y = h + p["down_proj"].forward(m.gate.forward(gate, up))
+        if not keep:
+            for proj in p.values():
+                proj.release()
+            return y.reshape(b, t, hidden), None
+        saved = _Saved(
+            x2, rstd_in, q_raw, rstd_q, k_raw, rstd_k, qt, kt, vt, attn, lse, h, rstd_post, gate, up
+        )
+        return y.reshape(b, t, hidden), saved
+
+    def backward(self, dy: Array, s: _Saved) -> Array:
+        m = self.model
+        cfg, xp = m.config, m.xp
+        b, t, hidden = dy.shape
+        n = b * t
+        heads, kv, d, group = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.group_size,
+        )
+        p = self.proj
+        dy2 = dy.reshape(n, hidden)
+        # MLP
+        da = p["down_proj"].backward(dy2)
+        dgate, dup = m.gate.backward(da, s.gate, s.up)
+        del da
+        dn2 = p["gate_proj"].backward(dgate)
+        dn2 += p["up_proj"].backward(dup)
+        del dgate, dup
+        dh, dw = F.rms_norm_backward(
+            xp, dn2, s.h, s.rstd_post, self._w("post_attention_layernorm"), m.norms_trainable
+        )
+        m.set_grad(f"{self.prefix}.post_attention_layernorm.weight", dw)
+        dh += dy2
+        # attention
+        do = p["o_proj"].backward(dh).reshape(b, t, kv, group, d)
+        dq, dk, dv = F.attention_backward(
+            xp,
+            do,
+            s.q,
+            s.k,
+            s.v,
+            s.attn,
+            s.lse,
+            m.scale,
+            cfg.sliding_window,
+            m.softmax,
+            m.attention_chunk_elements,
+        )
+        del do
+        cos, sin = m.rope(t)
+        dq = F.rope_backward(dq.reshape(b, t, heads, d), cos, sin)
+        dk = F.rope_backward(dk, cos, sin)
+        if cfg.qk_norm:
+            dq, dwq = F.rms_norm_backward(
+                xp, dq, s.q_raw, s.rstd_q, self._w("self_attn.q_norm"), m.norms_trainable
+            )
+            dk, dwk = F.rms_norm_backward(
+                xp, dk, s.k_raw, s.rstd_k, self._w("self_attn.k_norm"), m.norms_trainable
+            )
+            m.set_grad(f"{self.prefix}.self_attn.q_norm.weight", dwq)
+            m.set_grad(f"{self.prefix}.self_attn.k_norm.weight", dwk)
+        dn1 = p["q_proj"].backward(dq.reshape(n, heads * d))
+        dn1 += p["k_proj"].backward(dk.reshape(n, kv * d))
+        dn1 += p["v_proj"].backward(dv.reshape(n, kv * d))
+        del dq, dk, dv
+        dx, dw = F.rms_norm_backward(
+            xp, dn1, s.x, s.rstd_in, self._w("input_layernorm"), m.norms_trainable
+        )
+        m.set_grad(f"{self.prefix}.input_layernorm.weight", dw)
+        dx += dh
+        m.collect_projection_grads(p.values())
+        for proj in p.values():
+            proj.release()
+        return dx.reshape(b, t, hidden)
+
+
+class DecoderLM:
+    """The model. `weights` holds every dense array by HF name (norms, embeddings, the head,
+    trainable projection weights; frozen dense projections keep theirs); `layers[i].proj` the
+    projections. With `lora`, the projections it targets are LoRA layers over frozen bases
+    (NF4 with `quant="nf4"`) and only their A and B train; without, every weight trains."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        backend: Backend,
+        *,
+        lora: LoraConfig | None = None,
+        quant: str | None = None,
+        compute_dtype: str = "float32",
+        seed: int = 0,
+        gradient_checkpointing: bool = False,
+        blocksize: int = 64,
+        double_quant: bool = False,
+    ) -> None:
+        self.config = config.validate()
+        self.backend = backend
+        self.xp = backend.xp
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}"
+            )
+        if compute_dtype == "float64" and (lora is not None or quant is not None):
+            raise ValueError("compute_dtype float64 (gradient checks) is for dense models only")
+        if quant not in (None, "nf4"):
+            raise ValueError(f"quant must be None or 'nf4', got {quant!r}")
+        if quant is not None and lora is None:
+            raise ValueError("quant='nf4' freezes the base in 4 bits: it needs a LoRA config")
+        self.dtype = np.dtype(numpy_dtype(compute_dtype))
+        self.param_dtype = np.dtype(np.float64 if compute_dtype == "float64" else np.float32)
+        self.lora = lora
+        self.quant = quant
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self.scale = config.head_dim**-0.5
+        self.attention_chunk_elements = F.ATTENTION_CHUNK_ELEMENTS
+        self.head_chunk_elements = F.HEAD_CHUNK_ELEMENTS
+        self.softmax: Any = F.SoftmaxKernels(self.xp)
+        self.gate: Any = F.GateKernels(self.xp)
+        if backend.device == "cuda":
+            self.use_fused_kernels(True)
+        self.training = True
+        self.norms_trainable = lora is None
+        self.adapter = LoraAdapter(lora) if lora is not None else None
+        self.weights: dict[str, Array] = {}
+        self.grads: dict[str, Array | None] = {}
+        self._rope: dict[int, tuple[Array, Array]] = {}
+        #: Trainable parameter names in the order of the flat buffer.
+        self.trainable: list[str] = []
+        self._dense_trainable: list[str] = []  # those that live in `weights` (not projections)
+        self._build(seed, blocksize, double_quant)
+
+    # --- construction ----------------------------------------------------------------------
+
+    def _build(self, seed: int, blocksize: int, double_quant: bool) -> None:
+        """Random weights in HF's order and distribution (normal, std initializer_range; norms
+        1), drawn on the host from one seeded generator, so both devices start the same."""
+        cfg = self.config
+        rng = np.random.default_rng(seed)
+        std = np.float32(cfg.initializer_range)
+        full = self.lora is None
+        initial: dict[str, np.ndarray] = {}
+
+        def normal(shape: tuple[int, int]) -> np.ndarray:
+            return rng.standard_normal(shape, dtype=np.float32) * std
+
+        def dense(name: str, value: np.ndarray, trainable: bool) -> None:
+            if trainable:
+                initial[name] = value
+                self.trainable.append(name)
+                self._dense_trainable.append(name)
+            else:
+                self.weights[name] = self._to_device(value, self.dtype)
+
+        def norm(name: str, size: int) -> None:
+            value = np.ones(size, np.float32)
+            if full:
+                dense(name, value, True)
+            else:
+                self.weights[name] = self._to_device(value, self.param_dtype)
+
+        embed = "model.embed_tokens.weight"
+        dense(embed, normal((cfg.vocab_size, cfg.hidden_size)), full)
+        shapes = cfg.projection_shapes()
+        self.layers: list[DecoderLayer] = []
+        for i in range(cfg.num_hidden_layers):
+            prefix = layer_prefix(i)
+            norm(f"{prefix}.input_layernorm.weight", cfg.hidden_size)
+            if cfg.qk_norm:
+                norm(f"{prefix}.self_attn.q_norm.weight", cfg.head_dim)
+                norm(f"{prefix}.self_attn.k_norm.weight", cfg.head_dim)
+            norm(f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)
+            projections: dict[str, Projection] = {}
+            for short, path in PROJECTIONS.items():
+                name = f"{prefix}.{path}"
+                projections[short] = self._projection(
+                    name, normal(shapes[path]), initial, blocksize, double_quant
+                )
+            self.layers.append(DecoderLayer(self, i, projections))
+        norm("model.norm.weight", cfg.hidden_size)
+        if not cfg.tie_word_embeddings:
+            dense("lm_head.weight", normal((cfg.vocab_size, cfg.hidden_size)), full)
+        self._make_flat(initial)
+
+    def _projection(
+        self,
+        name: str,
+        w: np.ndarray,
+        initial: dict[str, np.ndarray],
+        blocksize: int,
+        double_quant: bool,
+    ) -> Projection:
+        backend = self.backend
+        if self.lora is None:
+            initial[f"{name}.weight"] = w
+            self.trainable.append(f"{name}.weight")
+            return TrainableDense(name, w, backend, self.dtype)  # weight: a view, once flat
+        base: Any = w
+        if self.quant is not None:
+            base = quantize(w, blocksize=blocksize, double_quant=double_quant)
+        if self.lora.targets(name):
+            assert self.adapter is not None
+            layer = self.adapter.add_layer(name, base)
+            if backend.device == "cuda":
+                layer.cuda()
+            projection = LoraProjection(name, layer, self.dtype)
+            for pname, value in projection.parameters().items():
+                initial[pname] = backend.to_host(value)
+                self.trainable.append(pname)
+            return projection
+        if isinstance(base, NF4Tensor):
+            return FrozenQuantized(name, base.cuda() if backend.device == "cuda" else base, backend)
+        return FrozenDense(name, self._to_device(w, self.dtype), backend)
+
+    def _to_device(self, host: np.ndarray, dtype: Any) -> Array:
+        return self.backend.from_host(np.ascontiguousarray(host.astype(dtype, copy=False)))
+
+    def _make_flat(self, initial: dict[str, np.ndarray]) -> None:
+        """One buffer for all trainable parameters; each becomes a view of it."""
+        xp = self.xp
+        sizes = [int(initial[name].size) for name in self.trainable]
+        self.flat = xp.empty(sum(sizes), self.param_dtype)
+        self.flat_grad = xp.zeros_like(self.flat)
+        self.views: dict[str, Array] = {}
+        offset = 0
+        for name, size in zip(self.trainable, sizes, strict=True):
+            host = initial[name]
+            view = self.flat[offset : offset + size].reshape(host.shape)
+            view[...] = self.backend.from_host(np.ascontiguousarray(host, self.param_dtype))
+            self.views[name] = view
+            offset += size
+        self.lora_projections: dict[str, LoraProjection] = {}
+        for layer in self.layers:
+            for proj in layer.proj.values():
+                if isinstance(proj, LoraProjection):
+                    self.lora_projections[proj.name] = proj
+                    lora_layer = proj.layer
+                    lora_layer.lora_a = self.views[f"{proj.name}.lora_A.weight"]
+                    lora_layer.lora_b = self.views[f"{proj.name}.lora_B.weight"]
+                    if lora_layer.lora_magnitude is not None:
+                        magnitude = self.views[f"{proj.name}.lora_magnitude_vector"]
+                        lora_layer.lora_magnitude = magnitude
+                elif isinstance(proj, TrainableDense):
+                    proj.weight = self.views[f"{proj.name}.weight"]
+        for name in self._dense_trainable:
+            self.weights[name] = self.views[name]
+
+    # --- switches ----------------------------------------------------------------------------
+
+    def use_fused_kernels(self, fused: bool) -> None:
+        """On the GPU, the fused softmax and SwiGLU kernels (train/_cuda.py) for bfloat16 and
+        float32; otherwise (and always on the CPU) the same math in xp."""
+        if fused and self.backend.device == "cuda":
+            from . import _cuda
+
+            if _cuda.supports(self.dtype):
+                self.softmax = _cuda.FusedSoftmax()
+                self.gate = _cuda.FusedGate()
+                return
+        self.softmax = F.SoftmaxKernels(self.xp)
+        self.gate = F.GateKernels(self.xp)
+
+    def train(self, mode: bool = True) -> None:
+        self.training = mode
+        if self.adapter is not None:
+            self.adapter.train(mode)
+
+    # --- pieces used by the layers -------------------------------------------------------------
+
+    def rope(self, length: int) -> tuple[Array, Array]:
+        """cos, sin [length, head_dim] in the compute dtype (HF casts them to the activations'
+        dtype too)."""
+        found = self._rope.get(length)
+        if found is None:
+            cos, sin = F.rope_tables(self.config, length)
+            found = self._rope[length] = (
+                self._to_device(cos, self.dtype),
+                self._to_device(sin, self.dtype),
+            )
+        return found
+
+    def set_grad(self, name: str, grad: Array | None) -> None:
+        if grad is not None:
+            self.grads[name] = grad
+
+    def collect_projection_grads(self, projections: Any) -> None:
+        for proj in projections:
+            for name, grad in proj.gradients().items():
+                if grad is not None:
+                    self.grads[name] = grad
+
+    def _mm(self, a: Array, b: Array) -> Array:
+        return matmul(self.backend, a, b)
+
+    def _compute(self, name: str) -> Array:
+        """A dense weight in the compute dtype (a trainable one's master cast for this use)."""
+        return self.weights[name].astype(self.dtype, copy=False)
+
+    def head_weight(self) -> Array:
+        name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        return self._compute(name)
+
+    # --- forward and backward ----------------------------------------------------------------
+
+    def _embed(self, ids: Array) -> Array:
+        return F.embedding_forward(self.weights["model.embed_tokens.weight"], ids, self.dtype)
+
+    def _final(self, x: Array, targets: Array, count: int, grad: bool) -> tuple[Array, Any]:
+        cfg, xp = self.config, self.xp
+        n = x.shape[0] * x.shape[1]
+        x2 = x.reshape(n, cfg.hidden_size)
+        h, rstd = F.rms_norm_forward(xp, x2, self.weights["model.norm.weight"], cfg.rms_norm_eps)
+        head = self.head_weight()
+        loss, dh, dw = F.head_cross_entropy(
+            xp,
+            h,
+            head,
+            targets.reshape(-1),
+            count,
+            self._mm,
+            grad=grad,
+            weight_grad=grad and self.lora is None,
+            chunk_elements=self.head_chunk_elements,
+        )
+        return loss, (x2, rstd, dh, dw)
+
+    def loss(self, ids: Array, targets: Array, count: int) -> Array:
+        """Mean cross-entropy (a 0-d device array) of next-token predictions: ids and targets
+        [B, T] on the device, `count` targets not ignored (negative ones are)."""
+        x = self._embed(ids)
+        for layer in self.layers:
+            x, _ = layer.forward(x, keep=False)
+        loss, _ = self._final(x, targets, count, grad=False)
+        return loss
+
+    def forward_backward(self, ids: Array, targets: Array, count: int) -> Array:
+        """The loss of one batch, and every trainable parameter's gradient in `grads` (read
+        with `flat_gradients()`)."""
+        cfg, xp = self.config, self.xp
+        self.grads = {}
+        x = self._embed(ids)
+        inputs: list[Array] = []
+        saved: list[_Saved | None] = []
+        dropout: list[dict[str, Any]] = []
+        for layer in self.layers:
+            if self.gradient_checkpointing:
+                inputs.append(x)
+                dropout.append(self._dropout_states(layer))
+                x, _ = layer.forward(x, keep=False)
+            else:
+                x, s = layer.forward(x, keep=True)
+                saved.append(s)
+        loss, (x2, rstd, dh, dw_head) = self._final(x, targets, count, grad=True)
+        del x
+        dx, dw = F.rms_norm_backward(
+            xp, dh, x2, rstd, self.weights["model.norm.weight"], self.norms_trainable
+        )
+        del dh, x2
+        self.set_grad("model.norm.weight", dw)
+        dx = dx.reshape(ids.shape[0], ids.shape[1], cfg.hidden_size)
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer = self.layers[i]
+            if self.gradient_checkpointing:
+                self._set_dropout_states(layer, dropout[i])
+                _, s = layer.forward(inputs.pop(), keep=True)
+            else:
+                s = saved.pop()
+            assert s is not None
+            dx = layer.backward(dx, s)
+            del s
+        if self.lora is None:
+            embed = "model.embed_tokens.weight"
+            de = F.embedding_backward(
+                xp, dx.reshape(-1, cfg.hidden_size), ids.reshape(-1), cfg.vocab_size
+            )
+            if cfg.tie_word_embeddings:
+                de += dw_head
+            else:
+                self.set_grad("lm_head.weight", dw_head)
+            self.set_grad(embed, de.astype(self.param_dtype, copy=False))
+        return loss
+
+    def _dropout_states(self, layer: DecoderLayer) -> dict[str, Any]:
+        return {
+            p.name: p.dropout_state() for p in layer.proj.values() if isinstance(p, LoraProjection)
+        }
+
+    def _set_dropout_states(self, layer: DecoderLayer, states: dict[str, Any]) -> None:
+        for proj in layer.proj.values():
+            if isinstance(proj, LoraProjection):
+                proj.set_dropout_state(states.get(proj.name))
+
+    def flat_gradients(self) -> Array:
+        """The last backward's gradients in the flat buffer's order (0 for a parameter that
+        got none)."""
+        parts = []
+        for name in self.trainable:
+            g = self.grads.get(name)
+            if g is None:
+                g = self.xp.zeros(self.views[name].shape, self.param_dtype)
+            parts.append(g.reshape(-1).astype(self.param_dtype, copy=False))
+        self.xp.concatenate(parts, out=self.flat_grad)
+        self.grads = {}
+        return self.flat_grad
+
+    # --- export ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every weight of the base model by HF name, as host float32 (quantized weights
+        dequantized, frozen 16-bit ones widened exactly; a tied head has no entry)."""
+        out: dict[str, np.ndarray] = {}
+        to_host = self.backend.to_host
+        names = ["model.embed_tokens.weight"]
+        for layer in self.layers:
+            prefix = layer.prefix
+            names.append(f"{prefix}.input_layernorm.weight")
+            if self.config.qk_norm:
+                names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
+            names.append(f"{prefix}.post_attention_layernorm.weight")
+        names.append("model.norm.weight")
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head.weight")
+        for name in names:
+            out[name] = np.asarray(to_host(self.weights[name]), dtype=np.float32)
+        for layer in self.layers:
+            for proj in layer.proj.values():
+                out[f"{proj.name}.weight"] = np.asarray(
+                    to_host(proj.base_weight()), dtype=np.float32
+                )
+        return out
+
+    def named_parameters(self) -> dict[str, Array]:
+        """The trainable parameters (views into `flat`), by name: `<module>.lora_A.weight`
+        etc. with LoRA, the HF weight names without."""
+        return dict(self.views)
+
+
+__all__ = ["COMPUTE_DTYPES", "PROJECTIONS", "DecoderLM", "DecoderLayer", "layer_prefix"]
