@@ -260,6 +260,10 @@ class TransformerConfig:
         path: Path | None = None
         if isinstance(source, Mapping):
             raw: Any = source
+        elif not isinstance(source, (str, os.PathLike)):
+            raise ValueError(
+                f"source: expected a config dict or a path, got {type(source).__name__}"
+            )
         else:
             path = Path(source)
             if path.is_dir():
