@@ -10,11 +10,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import demo, estimate
+from . import demo, dequantize, estimate, inspect, merge, quantize
 from ._common import CliError
 
 #: Each module has `register(subparsers)`, which adds its subcommands with `func` set.
-COMMAND_MODULES = [demo, estimate]
+COMMAND_MODULES = [demo, estimate, quantize, dequantize, merge, inspect]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,111 @@
+"""`dequantize_checkpoint`: a 4-bit checkpoint (nybble's layout, or bitsandbytes' as
+transformers saves it) back to dense safetensors (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import formats
+from ..errors import FormatError
+from ..formats import OutputDtype
+from ..safetensors_io import Entry
+from ..tensor import NF4Tensor
+from . import _layouts
+from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name, written_files
+from ._layouts import QuantGroup
+from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter, without_quantization
+from ._pipeline import Progress, Task, copy_task, run
+from ._source import CONFIG_FILE, Checkpoint
+
+
+def dequantize_checkpoint(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Report:
+    """Writes the checkpoint at `source` with every quantized weight dequantized, to `dtype`
+    (bfloat16, float16, float32; by default the dtype each weight was quantized from), and
+    config.json without its quantization config. Other tensors and files are copied as they
+    are. FormatError for a malformed input, naming the file and the tensor or field."""
+    from ._common import parse_size
+
+    timer = Timer()
+    out_dtype = None if dtype is None else dtype_name(dtype)
+    shard_size = parse_size(max_shard_size)
+    backend = compute_backend(device)
+    with Checkpoint(source) as ckpt:
+        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        group_of = {name: g for g in groups.values() for name in g.members}
+        tasks: list[Task] = []
+        done: dict[str, list[str]] = {"dequantized": [], "copied": []}
+        for name in ckpt.names():
+            group = group_of.get(name)
+            if group is None:
+                info = ckpt.info(name)
+                tasks.append(copy_task(name, Entry(name, info.dtype, info.shape)))
+                done["copied"].append(name)
+            elif group.state_key == name:
+                tasks.append(dequantize_task(ckpt, group, out_dtype, backend))
+                done["dequantized"].append(group.prefix)
+        report = Report("dequantize", str(ckpt.path), str(target), weights=done)
+        with OutputDirectory(target, overwrite) as out:
+            writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
+            try:
+                run(tasks, lambda n, raw: ckpt.raw(n) if raw else ckpt.read(n), writer, progress)
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            if ckpt.config is not None:
+                out.write_json(CONFIG_FILE, without_quantization(ckpt.config))
+            for f in ckpt.extra_files():
+                out.copy(f)
+            out.commit()
+        report.bytes_read = ckpt.nbytes
+    report.files, report.bytes_written = written_files(out.target)
+    report.seconds = timer.seconds()
+    return report
+
+
+def dequantize_task(
+    ckpt: Checkpoint, group: QuantGroup, dtype: OutputDtype | None, backend: Any
+) -> Task:
+    """Reads a quantized weight and writes it dense under its own name."""
+    header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    out_dtype = dtype or header.dtype
+    entry = Entry(group.prefix, OUTPUT_CODES[out_dtype], header.shape)
+    names = list(group.members)
+    size = sum(ckpt.info(n).nbytes for n in names)
+
+    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+        return {group.prefix: dense(q, out_dtype, backend, ckpt, group)}
+
+    return Task(names, [entry], work, size + 2 * entry.nbytes, size)
+
+
+def dense(
+    q: NF4Tensor, dtype: OutputDtype, backend: Any, ckpt: Checkpoint, group: QuantGroup
+) -> np.ndarray:
+    """The dequantized weight on the host; FormatError if it does not fit `dtype` (float16
+    overflow), naming the tensor."""
+    if backend.device != "cpu":
+        w = backend.to_host(q.cuda().dequantize(dtype))
+    else:
+        w = q.dequantize(dtype)
+    if dtype == "float16" and not bool(np.isfinite(w).all()):
+        raise FormatError(
+            ckpt.file_of(group.state_key),
+            "does not fit float16 (values beyond 65504); choose bfloat16 or float32",
+            group.prefix,
+        )
+    return np.asarray(w, formats.numpy_dtype(dtype))

@@ -1,0 +1,221 @@
+"""`inspect_checkpoint`: what a checkpoint (or one safetensors file) holds — tensors,
+dtypes, shapes, formats and sizes, totals per module kind — and, against a dense reference,
+the quantization error of each weight (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+from ..tensor import NF4Tensor
+from . import _layouts
+from ._common import FLOAT_CODES, module_kind
+from ._layouts import QuantGroup
+from ._source import Checkpoint
+
+#: Elements compared at a time against a reference (bounds the float64 temporaries).
+CHUNK = 1 << 22
+
+
+@dataclass
+class ErrorStats:
+    """A weight against its reference: absolute errors, RMSE relative to the reference's
+    RMS, the signal-to-noise ratio, and (for a quantized weight) the largest error relative
+    to its block's absmax (contract C-NF4-001 keeps it below 0.16 for NF4)."""
+
+    max_abs: float
+    mean_abs: float
+    rmse: float
+    relative_rmse: float
+    snr_db: float
+    max_block_relative: float | None = None
+
+
+@dataclass
+class TensorEntry:
+    """One tensor, or one quantized weight with all of its tensors (`tensors`)."""
+
+    name: str
+    kind: str
+    format: str
+    dtype: str
+    shape: list[int]
+    parameters: int
+    nbytes: int
+    tensors: int = 1
+    error: ErrorStats | None = None
+    note: str | None = None
+
+
+@dataclass
+class Totals:
+    tensors: int = 0
+    parameters: int = 0
+    nbytes: int = 0
+
+    def add(self, e: TensorEntry) -> None:
+        self.tensors += e.tensors
+        self.parameters += e.parameters
+        self.nbytes += e.nbytes
+
+    @property
+    def bits_per_parameter(self) -> float:
+        return 8 * self.nbytes / self.parameters if self.parameters else 0.0
+
+
+@dataclass
+class Inspection:
+    path: str
+    files: list[str]
+    entries: list[TensorEntry] = field(default_factory=list)
+    kinds: dict[str, Totals] = field(default_factory=dict)
+    formats: dict[str, Totals] = field(default_factory=dict)
+    total: Totals = field(default_factory=Totals)
+    reference: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("kinds", "formats"):
+            for name, t in getattr(self, key).items():
+                out[key][name]["bits_per_parameter"] = round(t.bits_per_parameter, 4)
+        out["total"]["bits_per_parameter"] = round(self.total.bits_per_parameter, 4)
+        return out
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike[str], reference: str | os.PathLike[str] | None = None
+) -> Inspection:
+    """Reads headers (and, with `reference`, every weight present in both) one tensor at a
+    time. FormatError for malformed files, as the other tools."""
+    with Checkpoint(path) as ckpt:
+        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        group_of = {n: g for g in groups.values() for n in g.members}
+        result = Inspection(str(ckpt.path), sorted(str(f.path) for f in ckpt.files.values()))
+        for name in ckpt.names():
+            group = group_of.get(name)
+            if group is None:
+                info = ckpt.info(name)
+                entry = TensorEntry(
+                    name,
+                    module_kind(name),
+                    "dense",
+                    info.dtype,
+                    list(info.shape),
+                    math.prod(info.shape),
+                    info.nbytes,
+                )
+            elif group.state_key == name:
+                entry = _group_entry(ckpt, group)
+            else:
+                continue
+            result.entries.append(entry)
+        if reference is not None:
+            with Checkpoint(reference) as ref:
+                result.reference = str(ref.path)
+                for entry in result.entries:
+                    _compare(ckpt, groups.get(entry.name), ref, entry)
+    for e in result.entries:
+        result.kinds.setdefault(e.kind, Totals()).add(e)
+        result.formats.setdefault(e.format, Totals()).add(e)
+        result.total.add(e)
+    return result
+
+
+def _group_entry(ckpt: Checkpoint, group: QuantGroup) -> TensorEntry:
+    h = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    label = f"{h.codebook} bs{h.blocksize}{' dq' if h.double_quant else ''} ({group.layout})"
+    return TensorEntry(
+        group.prefix,
+        module_kind(group.prefix),
+        label,
+        h.dtype,
+        list(h.shape),
+        math.prod(h.shape),
+        sum(ckpt.info(n).nbytes for n in group.members),
+        len(group.members),
+    )
+
+
+def _compare(
+    ckpt: Checkpoint, group: QuantGroup | None, ref: Checkpoint, entry: TensorEntry
+) -> None:
+    if entry.name not in ref:
+        entry.note = "not in the reference"
+        return
+    info = ref.info(entry.name)
+    if info.dtype not in FLOAT_CODES:
+        entry.note = f"reference is {info.dtype}"
+        return
+    if list(info.shape) != entry.shape:
+        entry.note = f"reference has shape {list(info.shape)}"
+        return
+    if group is None:
+        if ckpt.info(entry.name).dtype not in FLOAT_CODES:
+            entry.note = "not a float tensor"
+            return
+        values: NF4Tensor | np.ndarray = ckpt.read(entry.name)
+    else:
+        values = _layouts.load_group(group, ckpt.read, ckpt.file_of)
+    entry.error = error_stats(ref.read(entry.name), values, ref, entry.name)
+
+
+def error_stats(
+    reference: np.ndarray, values: NF4Tensor | np.ndarray, ref: Checkpoint, name: str
+) -> ErrorStats:
+    """Error statistics of `values` (dense, or quantized: dequantized a chunk at a time)
+    against `reference`, in float64."""
+    n = reference.size
+    blocksize = values.blocksize if isinstance(values, NF4Tensor) else None
+    flat_ref = reference.reshape(-1)
+    abs_sum = sq_sum = ref_sq = 0.0
+    max_abs = 0.0
+    max_block = 0.0
+    for start, stop, deq in _chunks(values, n):
+        x = flat_ref[start:stop].astype(np.float64)
+        if not bool(np.isfinite(x).all()):
+            raise FormatError(ref.file_of(name), "non-finite values in the reference", name)
+        d = np.abs(deq.astype(np.float64) - x)
+        abs_sum += float(d.sum())
+        sq_sum += float(np.square(d).sum())
+        ref_sq += float(np.square(x).sum())
+        max_abs = max(max_abs, float(d.max(initial=0.0)))
+        if blocksize is not None:
+            pad = -x.size % blocksize
+            ax = np.pad(np.abs(x), (0, pad)).reshape(-1, blocksize).max(axis=1)
+            db = np.pad(d, (0, pad)).reshape(-1, blocksize).max(axis=1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rel = np.where(ax > 0, db / ax, 0.0)
+            max_block = max(max_block, float(rel.max(initial=0.0)))
+    rmse = math.sqrt(sq_sum / n) if n else 0.0
+    rms = math.sqrt(ref_sq / n) if n else 0.0
+    return ErrorStats(
+        max_abs=max_abs,
+        mean_abs=abs_sum / n if n else 0.0,
+        rmse=rmse,
+        relative_rmse=rmse / rms if rms else 0.0,
+        snr_db=20 * math.log10(rms / rmse) if rmse and rms else math.inf,
+        max_block_relative=max_block if blocksize is not None else None,
+    )
+
+
+def _chunks(values: NF4Tensor | np.ndarray, n: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(start, stop, values[start:stop] as float32) over the flat tensor; a quantized one is
+    dequantized a run of whole blocks at a time."""
+    if not isinstance(values, NF4Tensor):
+        flat = values.reshape(-1)
+        for start in range(0, n, CHUNK):
+            yield start, min(n, start + CHUNK), flat[start : start + CHUNK].astype(np.float32)
+        return
+    q = values
+    plain = _layouts.plain(q)
+    step = max(q.blocksize, CHUNK - CHUNK % q.blocksize)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = _layouts.element_range(plain, start, stop, (stop - start,))
+        yield start, stop, part.dequantize("float32")

@@ -1,0 +1,303 @@
+"""`merge_adapter`: a PEFT LoRA adapter (LoRA, rsLoRA, DoRA, rank/alpha patterns) merged
+into a dense or 4-bit base checkpoint, written dense — what PEFT's `merge_and_unload` gives,
+one weight at a time (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import formats
+from ..errors import FormatError, NonFiniteError
+from ..formats import OutputDtype
+from ..lora.adapter import KEY_PREFIX, WEIGHTS_FILE, _check_pair, _check_parts, _group_by_module
+from ..lora.config import CONFIG_FILE as ADAPTER_CONFIG
+from ..lora.config import LoraConfig
+from ..lora.layers import LoraLinear, QLoraLinear
+from ..safetensors_io import Entry, SafeTensorsFile
+from ..tensor import NF4Tensor
+from . import _layouts
+from ._common import (
+    FLOAT_CODES,
+    OUTPUT_CODES,
+    Report,
+    Timer,
+    compute_backend,
+    dtype_name,
+    first,
+    parse_size,
+    written_files,
+)
+from ._layouts import QuantGroup
+from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter, without_quantization
+from ._pipeline import Progress, Task, copy_task, run
+from ._source import CONFIG_FILE, Checkpoint
+from .dequantize import dequantize_task
+
+#: Rows of a weight merged at a time: about this many bytes of float32 per tile.
+TILE_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT adapter read from its directory: the config and each module's tensors."""
+
+    config: LoraConfig
+    weights_path: Path
+    modules: dict[str, dict[str, np.ndarray]]
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike[str]) -> Adapter:
+        d = Path(directory)
+        config_path, weights_path = d / ADAPTER_CONFIG, d / WEIGHTS_FILE
+        config = LoraConfig.from_peft(config_path)
+        if not weights_path.exists():
+            raise FormatError(weights_path, "not found")
+        with SafeTensorsFile(weights_path) as f:
+            _check_pair(f.metadata, config_path, weights_path)
+            tensors = {k: f.get(k) for k in f.keys()}
+        modules = _group_by_module(tensors, weights_path)
+        if not modules:
+            raise FormatError(weights_path, "holds no LoRA tensors")
+        for name, parts in modules.items():
+            _check_parts(parts, config.for_module(name), name, weights_path)
+        return cls(config, weights_path, modules)
+
+    def key(self, module: str, part: str = "lora_A.weight") -> str:
+        return f"{KEY_PREFIX}{module}.{part}"
+
+
+def merge_adapter(
+    base: str | os.PathLike[str],
+    adapter: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    device: str = "cpu",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Report:
+    """Writes `base` with the adapter in `adapter` (adapter_config.json and
+    adapter_model.safetensors as PEFT saves them) merged into its weights: W + s·B·A, or
+    DoRA's m·(W + s·B·A)/‖W + s·B·A‖. A 4-bit base is dequantized (all of it: the output is
+    dense); `dtype` is that of every merged or dequantized weight (by default the base
+    weight's). An adapter module with no weight in the base, or of another shape, is a
+    FormatError naming it."""
+    timer = Timer()
+    out_dtype = None if dtype is None else dtype_name(dtype)
+    shard_size = parse_size(max_shard_size)
+    backend = compute_backend(device)
+    lora = Adapter.read(adapter)
+    with Checkpoint(base) as ckpt:
+        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        group_of = {name: g for g in groups.values() for name in g.members}
+        missing = [
+            m for m in lora.modules if f"{m}.weight" not in ckpt and f"{m}.weight" not in groups
+        ]
+        if missing:
+            raise FormatError(
+                lora.weights_path,
+                f"{len(missing)} adapter module(s) match no weight in {ckpt.path}: "
+                f"{first(missing)} (looked for <module>.weight)",
+                lora.key(missing[0]),
+            )
+        tasks: list[Task] = []
+        done: dict[str, list[str]] = {"merged": [], "dequantized": [], "copied": []}
+        for name in ckpt.names():
+            group = group_of.get(name)
+            module = name.removesuffix(".weight") if name.endswith(".weight") else None
+            if group is not None:
+                if group.state_key != name:
+                    continue
+                module = group.prefix.removesuffix(".weight")
+                if module in lora.modules:
+                    tasks.append(_merge_group_task(ckpt, group, lora, module, out_dtype, backend))
+                    done["merged"].append(group.prefix)
+                else:
+                    tasks.append(dequantize_task(ckpt, group, out_dtype, backend))
+                    done["dequantized"].append(group.prefix)
+            elif module is not None and module in lora.modules:
+                tasks.append(_merge_dense_task(ckpt, name, lora, module, out_dtype, backend))
+                done["merged"].append(name)
+            else:
+                info = ckpt.info(name)
+                tasks.append(copy_task(name, Entry(name, info.dtype, info.shape)))
+                done["copied"].append(name)
+        report = Report("merge", str(ckpt.path), str(target), weights=done)
+        with OutputDirectory(target, overwrite) as out:
+            writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
+            try:
+                run(tasks, lambda n, raw: ckpt.raw(n) if raw else ckpt.read(n), writer, progress)
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            if ckpt.config is not None:
+                out.write_json(CONFIG_FILE, without_quantization(ckpt.config))
+            for f in ckpt.extra_files():
+                out.copy(f)
+            out.commit()
+        report.bytes_read = ckpt.nbytes
+    report.files, report.bytes_written = written_files(out.target)
+    report.seconds = timer.seconds()
+    return report
+
+
+def _merge_dense_task(
+    ckpt: Checkpoint,
+    name: str,
+    lora: Adapter,
+    module: str,
+    dtype: OutputDtype | None,
+    backend: Any,
+) -> Task:
+    info = ckpt.info(name)
+    if info.dtype not in FLOAT_CODES or len(info.shape) != 2:
+        raise FormatError(
+            ckpt.file_of(name),
+            f"the adapter has a layer here, but the weight is {info.dtype} {list(info.shape)}, "
+            "not a 2-D float matrix",
+            name,
+        )
+    out_dtype = dtype or (
+        "float32" if info.dtype == "F64" else formats.output_dtype(FLOAT_CODES[info.dtype])
+    )
+    cfg = lora.config.for_module(module)
+    _check_shapes(lora, module, cfg, info.shape)
+    entry = Entry(name, OUTPUT_CODES[out_dtype], info.shape)
+    where = (ckpt.file_of(name), name)
+
+    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {name: _merged(arrays[name], lora, module, cfg, out_dtype, backend, where)}
+
+    return Task([name], [entry], work, info.nbytes + entry.nbytes + 4 * TILE_BYTES, info.nbytes)
+
+
+def _merge_group_task(
+    ckpt: Checkpoint,
+    group: QuantGroup,
+    lora: Adapter,
+    module: str,
+    dtype: OutputDtype | None,
+    backend: Any,
+) -> Task:
+    header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    if len(header.shape) != 2:
+        raise FormatError(
+            ckpt.file_of(group.state_key),
+            f"a {len(header.shape)}-D weight cannot take LoRA",
+            group.prefix,
+        )
+    out_dtype = dtype or header.dtype
+    cfg = lora.config.for_module(module)
+    _check_shapes(lora, module, cfg, header.shape)
+    entry = Entry(group.prefix, OUTPUT_CODES[out_dtype], header.shape)
+    where = (ckpt.file_of(group.state_key), group.prefix)
+    names = list(group.members)
+    size = sum(ckpt.info(n).nbytes for n in names)
+
+    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+        return {group.prefix: _merged(q, lora, module, cfg, out_dtype, backend, where)}
+
+    return Task(names, [entry], work, size + entry.nbytes + 4 * TILE_BYTES, size)
+
+
+def _check_shapes(lora: Adapter, module: str, cfg: LoraConfig, stored: tuple[int, ...]) -> None:
+    """The adapter's tensors against the base weight ([out, in], or [in, out] with
+    fan_in_fan_out)."""
+    out_f, in_f = (stored[1], stored[0]) if cfg.fan_in_fan_out else stored
+    parts = lora.modules[module]
+    want = {
+        "lora_A.weight": (cfg.r, in_f),
+        "lora_B.weight": (out_f, cfg.r),
+        "lora_magnitude_vector": (out_f,),
+    }
+    for part, array in parts.items():
+        if array.shape != want[part]:
+            raise FormatError(
+                lora.weights_path,
+                f"shape {list(array.shape)} does not fit the base weight {list(stored)} "
+                f"(expected {list(want[part])})",
+                lora.key(module, part),
+            )
+    if cfg.r > min(in_f, out_f):
+        raise FormatError(
+            lora.weights_path,
+            f"rank {cfg.r} exceeds the base weight's smaller side {min(in_f, out_f)}",
+            lora.key(module),
+        )
+
+
+def _merged(
+    weight: np.ndarray | NF4Tensor,
+    lora: Adapter,
+    module: str,
+    cfg: LoraConfig,
+    dtype: OutputDtype,
+    backend: Any,
+    base: tuple[Path, str],
+) -> np.ndarray:
+    """The merged weight, in the base's stored layout and `dtype`, computed a tile of rows
+    at a time by the library's LoRA layers (so the float32 temporaries stay small). `base`
+    names the base weight's file and tensor for errors."""
+    parts = lora.modules[module]
+    stored = tuple(weight.shape)
+    out_f, in_f = (stored[1], stored[0]) if cfg.fan_in_fan_out else stored
+    if isinstance(weight, NF4Tensor):
+        # Tiles of rows need rows that start on block boundaries; otherwise all at once.
+        weight = _layouts.plain(weight) if in_f % weight.blocksize == 0 else weight.dequantize()
+    result = np.empty(stored, formats.numpy_dtype(dtype))
+    rows = max(cfg.r, TILE_BYTES // (4 * max(in_f, 1)))
+    starts = list(range(0, out_f, rows))
+    if len(starts) > 1 and out_f - starts[-1] < cfg.r:
+        starts.pop()  # a last tile shorter than r joins the one before
+    for r0, r1 in zip(starts, [*starts[1:], out_f], strict=True):
+        try:
+            layer = _tile_layer(weight, r0, r1, in_f, cfg, backend)
+        except NonFiniteError as e:
+            raise FormatError(
+                base[0], f"non-finite value in rows {r0}..{r1 - 1} ({e})", base[1]
+            ) from None
+        part = "lora_A.weight"
+        try:
+            layer.set_lora_a(parts[part])
+            part = "lora_B.weight"
+            layer.set_lora_b(parts[part][r0:r1])
+            if cfg.use_dora:
+                part = "lora_magnitude_vector"
+                layer.set_lora_magnitude(parts[part][r0:r1])
+        except NonFiniteError as e:
+            raise FormatError(lora.weights_path, str(e), lora.key(module, part)) from None
+        tile = layer.merged_weight(dtype)
+        if backend.device != "cpu":
+            tile = backend.to_host(tile)
+        if not bool(np.isfinite(tile).all()):
+            raise FormatError(
+                lora.weights_path,
+                f"merging gives non-finite values (beyond {dtype}) in rows {r0}..{r1 - 1}",
+                lora.key(module),
+            )
+        if cfg.fan_in_fan_out:
+            result[:, r0:r1] = tile
+        else:
+            result[r0:r1] = tile
+    return result
+
+
+def _tile_layer(
+    weight: np.ndarray | NF4Tensor, r0: int, r1: int, in_f: int, cfg: LoraConfig, backend: Any
+) -> LoraLinear | QLoraLinear:
+    if isinstance(weight, NF4Tensor):
+        q = _layouts.element_range(weight, r0 * in_f, r1 * in_f, (r1 - r0, in_f))
+        return QLoraLinear(q.cuda() if backend.device != "cpu" else q, cfg)
+    w = weight[:, r0:r1] if cfg.fan_in_fan_out else weight[r0:r1]
+    if backend.device != "cpu":
+        w = backend.from_host(np.ascontiguousarray(w))
+    return LoraLinear(w, cfg)

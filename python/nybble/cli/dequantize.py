@@ -1,0 +1,57 @@
+"""`nybble dequantize IN OUT`: a 4-bit checkpoint back to dense safetensors
+(docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..checkpoint import _cli
+from ..checkpoint.dequantize import dequantize_checkpoint
+
+_DESCRIPTION = """\
+Dequantize a checkpoint: every quantized weight of IN (nybble's layout, or bitsandbytes'
+4-bit layout as transformers saves it) is written dense to OUT, with config.json without its
+quantization_config; other tensors and files are copied as they are. OUT appears complete or
+not at all."""
+
+_EPILOG = f"""\
+examples:
+  nybble dequantize ./model-nf4 ./model-bf16 --dtype bf16
+  nybble dequantize ./model-nf4 ./model-f32 --dtype float32 --max-shard-size 2GB
+
+{_cli.EXIT_CODES}
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "dequantize",
+        help="dequantize a 4-bit checkpoint (nybble or bitsandbytes) to dense safetensors",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=_cli.Formatter,
+    )
+    p.add_argument("input", metavar="IN", help="quantized checkpoint directory or file")
+    p.add_argument("output", metavar="OUT", help="new checkpoint directory")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="bf16, f16 or f32 (default: the dtype each weight was quantized from)",
+    )
+    _cli.add_output_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = _cli.call(
+        dequantize_checkpoint,
+        args.input,
+        args.output,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        device=args.device,
+        overwrite=args.force,
+        progress=_cli.progress("dequantize"),
+    )
+    _cli.print_report(report, args.json)
+    return 0

@@ -1,0 +1,107 @@
+"""`nybble inspect PATH`: what a checkpoint or safetensors file holds, and with --reference
+the quantization error of each weight (docs/checkpoints.md)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..checkpoint import _cli
+from ..checkpoint.inspect import Inspection, Totals, inspect_checkpoint
+from ._common import format_table, print_json
+
+_DESCRIPTION = """\
+Inspect a checkpoint directory (config.json with model.safetensors or shards and their
+index) or one .safetensors file: every tensor (a quantized weight as one row, with all its
+tensors) with its kind, format, dtype, shape, parameters and bytes, then totals per module
+kind and per format. Only the headers are read, unless --reference names a dense checkpoint:
+then each weight present in both is compared with it (dequantized a block run at a time):
+largest and mean absolute error, RMSE relative to the reference's RMS, SNR, and the largest
+error relative to its block's absmax (NF4 keeps it below 0.16)."""
+
+_EPILOG = f"""\
+examples:
+  nybble inspect ./model-nf4
+  nybble inspect ./model-nf4 --reference ./model --summary
+  nybble inspect ./model/model-00001-of-00004.safetensors --json
+
+{_cli.EXIT_CODES}
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "inspect",
+        help="list a checkpoint's tensors, formats and sizes; quantization error vs a reference",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=_cli.Formatter,
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint directory or .safetensors file")
+    p.add_argument(
+        "--reference", metavar="DIR", default=None, help="dense checkpoint to compare with"
+    )
+    p.add_argument("--summary", action="store_true", help="totals only, no row per tensor")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    result: Inspection = _cli.call(inspect_checkpoint, args.path, args.reference)
+    if args.json:
+        out = result.to_json()
+        if args.summary:
+            out.pop("entries")
+        print_json(out)
+        return 0
+    if not args.summary:
+        print(_tensor_table(result))
+        print()
+    print(_totals_table("kind", result.kinds, result.total))
+    print()
+    print(_totals_table("format", result.formats, result.total))
+    return 0
+
+
+def _tensor_table(result: Inspection) -> str:
+    headers = ["tensor", "kind", "format", "dtype", "shape", "params", "bytes"]
+    compare = result.reference is not None
+    if compare:
+        headers += ["max abs err", "mean abs err", "rel rmse", "snr dB", "max err/absmax"]
+    rows: list[list[Any]] = []
+    for e in result.entries:
+        row: list[Any] = [
+            e.name,
+            e.kind,
+            e.format,
+            e.dtype,
+            "x".join(map(str, e.shape)) or "scalar",
+            e.parameters,
+            e.nbytes,
+        ]
+        if compare:
+            s = e.error
+            if s is None:
+                row += [e.note or "", "", "", "", ""]
+            else:
+                block = "" if s.max_block_relative is None else f"{s.max_block_relative:.4f}"
+                row += [
+                    f"{s.max_abs:.4g}",
+                    f"{s.mean_abs:.4g}",
+                    f"{s.relative_rmse:.4g}",
+                    f"{s.snr_db:.1f}",
+                    block,
+                ]
+        rows.append(row)
+    return format_table(headers, rows)
+
+
+def _totals_table(what: str, totals: dict[str, Totals], total: Totals) -> str:
+    rows: list[list[Any]] = [
+        [name, t.tensors, t.parameters, t.nbytes, f"{t.bits_per_parameter:.3f}"]
+        for name, t in sorted(totals.items())
+    ]
+    rows.append(
+        ["total", total.tensors, total.parameters, total.nbytes, f"{total.bits_per_parameter:.3f}"]
+    )
+    return format_table([what, "tensors", "params", "bytes", "bits/param"], rows)
