@@ -1,14 +1,19 @@
 """The pure-numpy oracle: the readable statement of nybble's math.
 
 Slow and obvious on purpose. Every fast path (Rust SIMD, CUDA) is tested against these
-functions, which follow ../shared/SPEC.md line by line. Inputs are flat float32 arrays
-unless said otherwise; `nybble.quantize` and friends handle dtypes, shapes and devices.
+functions, which follow docs/formats.md (the codec) and docs/lora.md (LoRA, DoRA, AdamW) line
+by line. The tables below are this module's own literal statement of the formats: nybble's
+production code takes them from the Rust core instead, and never imports this module, so
+the two statements check each other. Inputs are flat float32 arrays unless said otherwise;
+`nybble.quantize` and friends handle dtypes, shapes and devices.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+
+from .errors import NonFiniteError
 
 F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
@@ -167,7 +172,7 @@ def quantize(x: F32, blocksize: int = 64, codebook: str = "nf4") -> tuple[U8, F3
     x = np.asarray(x, dtype=np.float32).ravel()
     bad = first_non_finite(x)
     if bad is not None:
-        raise ValueError(f"input has a non-finite value (NaN or inf) at flat index {bad}")
+        raise NonFiniteError(bad)
     n = x.size
     nblocks = -(-n // blocksize)
     padded = np.zeros(nblocks * blocksize, dtype=np.float32)

@@ -68,6 +68,7 @@ class NF4Tensor:
 
     def _init(self, packed: Packed, orig_dtype: OutputDtype) -> None:
         self._packed = packed
+        self._backend = backends.of(packed.codes)
         #: The dtype of the tensor that was quantized (bitsandbytes records it as `dtype`).
         self.orig_dtype: OutputDtype = orig_dtype
 
@@ -131,10 +132,6 @@ class NF4Tensor:
         return self._backend.device
 
     @property
-    def _backend(self) -> backends.Backend:
-        return backends.of(self._packed.codes)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of codes plus scales (plus the nested state under double quantization)."""
         p = self._packed
@@ -158,11 +155,12 @@ class NF4Tensor:
 
     def to_blocks(self) -> np.ndarray:
         """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes;
-        a host array. Holds 4-bit codes in blocks of 64; the codebook is not part of it, so
-        `from_blocks` needs it again."""
-        if formats.code_bits(self.codebook) != 4 or self.blocksize != formats.BLOCK36_VALUES:
+        a host array. The layout is NF4's, in blocks of 64 (without double quantization's
+        nested form, which it stores decoded): it carries no codebook, so an FP4 tensor
+        would come back from `from_blocks` as NF4, and is refused."""
+        if self.codebook != "nf4" or self.blocksize != formats.BLOCK36_VALUES:
             raise ValueError(
-                "the 36-byte block layout holds 4-bit codes in blocks of 64; this tensor is "
+                "the 36-byte block layout holds NF4 codes in blocks of 64; this tensor is "
                 f"{self.codebook} with blocksize {self.blocksize}"
             )
         from .backends import cpu
@@ -171,7 +169,8 @@ class NF4Tensor:
 
     @classmethod
     def from_blocks(cls, buf: Any, shape: Any, codebook: str = "nf4") -> NF4Tensor:
-        """The inverse of `to_blocks` for a tensor of `shape` (and the `codebook` it held)."""
+        """The inverse of `to_blocks` for a tensor of `shape`. `codebook="fp4"` reads FP4
+        codes stored the same way by other tools."""
         from .backends import cpu
 
         dims = formats.check_shape(shape)

@@ -96,14 +96,30 @@ class Backend(Protocol):
     # --- layer math (float32 on the CPU; the activation dtype on the GPU) -----------------
 
     def matmul(
-        self, a: Any, b: Any, alpha: float = 1.0, out: Any = None, accumulate: bool = False
+        self,
+        a: Any,
+        b: Any,
+        alpha: float = 1.0,
+        out: Any = None,
+        accumulate: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
-        """`alpha * a @ b` for 2-D a, b (any strides), into `out` or added to it."""
+        """`alpha * a @ b` for 2-D a, b (any strides), into `out` (or added to it when
+        `accumulate`), summed in float32; a new array of `out_dtype` (default a's) without
+        `out`."""
         ...
 
-    def quantized_matmul(self, x: Any, w: Packed, transpose: bool = True) -> Any:
+    def quantized_matmul(
+        self,
+        x: Any,
+        w: Packed,
+        transpose: bool = True,
+        out: Any = None,
+        accumulate: bool = False,
+    ) -> Any:
         """`x @ W.T` (or `x @ W` when not `transpose`) for a 2-D quantized W [out, in] and a
-        2-D x, never holding all of W dequantized at once in float32."""
+        2-D x, never holding all of W dequantized at once in float32; into `out` (or added to
+        it when `accumulate`)."""
         ...
 
     def dora_row_norms(self, w: Any | Packed, b: Any, a: Any, scaling: float) -> Any:
@@ -119,7 +135,7 @@ def of(x: Any) -> Backend:
     if isinstance(x, np.ndarray):
         return _cpu()
     if _on_cuda(x):
-        return get("cuda")
+        return _cuda()
     return _cpu()
 
 
@@ -129,9 +145,7 @@ def get(device: str) -> Backend:
     if device == "cpu":
         return _cpu()
     if device == "cuda":
-        from . import cuda
-
-        return cuda.backend()
+        return _cuda()
     raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
@@ -149,10 +163,25 @@ def same(*arrays: Any) -> Backend:
     return found if found is not None else _cpu()
 
 
-def _cpu() -> Backend:
-    from . import cpu
+_found: dict[str, Backend] = {}
 
-    return cpu.BACKEND
+
+def _cpu() -> Backend:
+    found = _found.get("cpu")
+    if found is None:
+        from . import cpu
+
+        found = _found["cpu"] = cpu.BACKEND
+    return found
+
+
+def _cuda() -> Backend:
+    found = _found.get("cuda")
+    if found is None:
+        from . import cuda
+
+        found = _found["cuda"] = cuda.backend()
+    return found
 
 
 #: DLPack device types of CUDA memory: kDLCUDA, kDLCUDAHost, kDLCUDAManaged.

@@ -155,19 +155,57 @@ class CpuBackend:
     # --- layer math (float32) ------------------------------------------------------------
 
     def matmul(
-        self, a: Any, b: Any, alpha: float = 1.0, out: Any = None, accumulate: bool = False
+        self,
+        a: Any,
+        b: Any,
+        alpha: float = 1.0,
+        out: Any = None,
+        accumulate: bool = False,
+        out_dtype: Any = None,
     ) -> np.ndarray:
+        """float32 in and out (`out_dtype` other than float32 is refused): the layers' math."""
+        if out_dtype is not None and np.dtype(out_dtype) != np.float32:
+            raise ValueError(f"the CPU products are float32, not {out_dtype}")
+        if a.dtype != np.float32 or b.dtype != np.float32:  # float64 (gradient checks)
+            r = alpha * (a @ b)
+            if out is None:
+                return r
+            if accumulate:
+                out += r
+            else:
+                out[...] = r
+            return out
         if out is None:
             out = np.empty((a.shape[0], b.shape[1]), np.float32)
             accumulate = False
         _core.matmul(a, b, out, alpha, accumulate)
         return out
 
-    def quantized_matmul(self, x: Any, w: Packed, transpose: bool = True) -> np.ndarray:
+    def quantized_matmul(
+        self,
+        x: Any,
+        w: Packed,
+        transpose: bool = True,
+        out: Any = None,
+        accumulate: bool = False,
+    ) -> np.ndarray:
         rows, cols = _matrix_shape(w)
-        out = np.empty((x.shape[0], rows if transpose else cols), np.float32)
+        if out is None:
+            out = np.empty((x.shape[0], rows if transpose else cols), np.float32)
+            accumulate = False
         absmax = self._scales(w)
-        _core.qmatmul(x, w.codes, absmax, (rows, cols), w.blocksize, w.codebook, out, transpose)
+        _core.qmatmul(
+            x,
+            w.codes,
+            absmax,
+            (rows, cols),
+            w.blocksize,
+            w.codebook,
+            out,
+            transpose,
+            1.0,
+            accumulate,
+        )
         return out
 
     def dora_row_norms(self, w: Any, b: Any, a: Any, scaling: float) -> np.ndarray:

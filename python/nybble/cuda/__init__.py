@@ -10,11 +10,12 @@ arrays are read without a copy. Importing this module needs neither CuPy nor a G
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from .. import formats
-from ..backends.cuda import TILE_BYTES, backend, row_tiles
-from ..backends.cuda.arrays import as_cupy, ready
+from ..backends.cuda import TILE_BYTES, backend, launch, row_tiles
+from ..backends.cuda.arrays import as_cupy, ready, to_device
 from ..backends.cuda.kernels import GEMV_MAX_TOKENS
 from ..formats import Codebook, NestedAbsmax, numpy_dtype, output_dtype
 from ..tensor import NF4Tensor
@@ -22,7 +23,10 @@ from ..tensor import NF4Tensor
 __all__ = [
     "GEMV_MAX_TOKENS",
     "TILE_BYTES",
+    "Graph",
     "as_cupy",
+    "capture",
+    "check",
     "dequantize_blocks",
     "dequantize_bnb",
     "nf4_gemv",
@@ -43,41 +47,113 @@ def _weight(q: NF4Tensor) -> formats.Packed:
 
 
 def _tokens(x: Any, q: NF4Tensor, dim: int, what: str) -> tuple[Any, tuple[int, ...]]:
-    """x [..., q.shape[dim]] as a 2-D array, and its leading shape."""
-    a = backend().float_array(x, what)
+    """x [..., q.shape[dim]] as a 2-D array, and its leading shape (no new view for a 2-D
+    CuPy array: a 1-token GEMV is short enough for that to show)."""
+    a = x if type(x) is _ndarray else backend().float_array(x, what)
     output_dtype(a.dtype)
-    if a.ndim == 0 or a.shape[-1] != q.shape[dim]:
-        raise ValueError(f"{what}: expected shape (..., {q.shape[dim]}), got {a.shape}")
-    lead = tuple(a.shape[:-1])
+    shape = a.shape
+    if not shape or shape[-1] != q.shape[dim]:
+        raise ValueError(f"{what}: expected shape (..., {q.shape[dim]}), got {shape}")
+    if len(shape) == 2:
+        return a, shape[:1]
+    lead = tuple(shape[:-1])
     return a.reshape(math.prod(lead), q.shape[dim]), lead
 
 
-def nf4_matmul(x: Any, q: NF4Tensor) -> Any:
+def _out_2d(out: Any, lead: tuple[int, ...], width: int) -> Any:
+    """`out` of shape (*lead, width) seen as (prod(lead), width), or None."""
+    if out is None:
+        return None
+    shape = getattr(out, "shape", None)
+    if shape is None or tuple(shape) != (*lead, width):
+        raise ValueError(f"out: expected shape {(*lead, width)}, got {shape}")
+    return out if len(shape) == 2 else out.reshape(math.prod(lead), width)
+
+
+try:
+    from cupy import ndarray as _ndarray
+except ImportError:  # importable without CuPy: every call then takes the checked path
+    _ndarray = None
+
+
+def nf4_matmul(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     """x @ dequantize(q).T for x [..., in] in float32/float16/bfloat16, summed in float32,
-    returned in x's dtype. Up to GEMV_MAX_TOKENS tokens: the fused GEMV, which reads the 4-bit
-    weight once (double-quantized scales as stored); more: the weight dequantized to x's dtype
-    (whole, or f32 row tiles) and cuBLAS."""
+    returned in x's dtype (in `out`, a C-contiguous array of x's dtype and shape [..., out],
+    when given). Up to GEMV_MAX_TOKENS tokens: the fused GEMV, which reads the 4-bit weight
+    once (double-quantized scales as stored); more: the weight dequantized to x's dtype
+    (whole, or f32 row tiles) and cuBLAS. Captures into a CUDA graph (see `capture`)."""
+    if type(x) is _ndarray and type(q) is NF4Tensor:  # the decode loop's call: few checks
+        y = backend().gemv_fast(x, q.packed, out)
+        if y is not None:
+            return y
     w = _weight(q)
     x2, lead = _tokens(x, q, 1, "x")
-    return backend().quantized_matmul(x2, w).reshape(*lead, q.shape[0])
+    y = backend().quantized_matmul(x2, w, out=_out_2d(out, lead, q.shape[0]))
+    if out is not None:
+        return out
+    return y if len(lead) == 1 else y.reshape(*lead, q.shape[0])
 
 
-def nf4_gemv(x: Any, q: NF4Tensor) -> Any:
+def nf4_gemv(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     """The fused GEMV alone (up to GEMV_MAX_TOKENS tokens, rows of 32k elements): x @
-    dequantize(q).T summed in float32, returned in x's dtype."""
+    dequantize(q).T summed in float32, returned in x's dtype (or in `out`)."""
     w = _weight(q)
     x2, lead = _tokens(x, q, 1, "x")
-    y = backend().xp.empty((x2.shape[0], q.shape[0]), x2.dtype)
-    backend().gemv_weight(w)(ready(x2), y)
-    return y.reshape(*lead, q.shape[0])
+    y2 = _out_2d(out, lead, q.shape[0])
+    if y2 is None:
+        y2 = backend().xp.empty((x2.shape[0], q.shape[0]), x2.dtype)
+    backend().gemv_weight(w)(ready(x2), y2)
+    return out if out is not None else y2.reshape(*lead, q.shape[0])
 
 
-def nf4_matmul_t(dy: Any, q: NF4Tensor) -> Any:
+def nf4_matmul_t(dy: Any, q: NF4Tensor, out: Any = None) -> Any:
     """dy @ dequantize(q) for dy [..., out] (the input gradient of `nf4_matmul`), summed in
-    float32, returned in dy's dtype: the weight dequantized to dy's dtype and cuBLAS."""
+    float32, returned in dy's dtype (or in `out`): the weight dequantized to dy's dtype and
+    cuBLAS."""
     w = _weight(q)
     d2, lead = _tokens(dy, q, 0, "dy")
-    return backend().quantized_matmul(d2, w, transpose=False).reshape(*lead, q.shape[1])
+    y = backend().quantized_matmul(d2, w, transpose=False, out=_out_2d(out, lead, q.shape[1]))
+    return out if out is not None else y.reshape(*lead, q.shape[1])
+
+
+class Graph:
+    """A captured CUDA graph of nybble (and any CuPy) GPU work: `replay()` runs it again on
+    the current stream, with the same buffers. Made by `capture`."""
+
+    def __init__(self, graph: Any, buffers: tuple[Any, ...]) -> None:
+        self._graph = graph
+        self._buffers = buffers  # the memory the graph reads and writes, held alive
+
+    def replay(self) -> None:
+        self._graph.launch(backend().xp.cuda.get_current_stream())
+
+
+def capture(work: Callable[[], object], *buffers: Any, warmup: int = 1) -> Graph:
+    """Captures `work()` (a function of no arguments that launches GPU work over fixed
+    buffers, e.g. a decode step's GEMVs with `out=`) into a CUDA graph, after running it
+    `warmup` times eagerly (the first call of each weight compiles and prepares its launches,
+    which a capture must not do). Name the arrays `work` reads and writes in `buffers` to keep
+    them alive as long as the graph. Inside the capture nothing may wait for the device:
+    nybble's operations do not; quantize's finite check then waits for `check()`, and
+    double quantization (which reads scales back to the host) is refused."""
+    cp = backend().xp
+    for _ in range(warmup):
+        work()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            work()
+        finally:
+            graph = stream.end_capture()
+    stream.synchronize()
+    return Graph(graph, buffers)
+
+
+def check() -> None:
+    """NonFiniteError for a non-finite input to a quantize call made inside a graph capture
+    (found on the device by the captured work, read here)."""
+    backend().captured_checks.raise_pending()
 
 
 def dequantize_blocks(buf: Any, shape: Any, dtype: Any = "float32", codebook: str = "nf4") -> Any:
@@ -91,8 +167,6 @@ def dequantize_blocks(buf: Any, shape: Any, dtype: Any = "float32", codebook: st
     out = backend().xp.empty(dims, numpy_dtype(name))
     flat = b.reshape(-1).view("uint8")
     n = math.prod(dims)
-    from ..backends.cuda import launch
-
     launch.dequantize(flat, None, None, cb, "blocks36", 64, n, 0, out.reshape(-1))
     return out
 
@@ -115,16 +189,14 @@ def dequantize_bnb(
     packed = ready(as_cupy(codes, "codes")).reshape(-1)
     nested: NestedAbsmax | None = None
     absmax = None
-    if isinstance(scales, NestedAbsmax):
+    if isinstance(scales, NestedAbsmax):  # scales may come from the host: they are small
         nested = NestedAbsmax(
-            ready(as_cupy(scales.codes, "scales.codes")),
-            ready(as_cupy(scales.absmax2, "scales.absmax2")),
+            ready(to_device(scales.codes, "scales.codes")),
+            ready(to_device(scales.absmax2, "scales.absmax2")),
             scales.offset,
         )
     else:
-        absmax = ready(as_cupy(scales, "scales")).reshape(-1)
-    from ..backends.cuda import launch
-
+        absmax = ready(to_device(scales, "scales")).reshape(-1)
     size = math.prod(dims)
     launch.dequantize(packed, absmax, nested, cb, "high_first", blocksize, size, 0, out.reshape(-1))
     return out

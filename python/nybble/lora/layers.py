@@ -65,13 +65,13 @@ class DenseBase:
             cast = self._casts[name] = self.w.astype(dtype)
         return cast
 
-    def forward(self, x: Any) -> Any:
-        """x @ Wᵀ"""
-        return self.backend.matmul(x, self._as(x.dtype).T)
+    def forward(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+        """x @ Wᵀ (into `out`, or added to it)"""
+        return self.backend.matmul(x, self._as(x.dtype).T, out=out, accumulate=accumulate)
 
-    def backward(self, dy: Any) -> Any:
-        """dy @ W"""
-        return self.backend.matmul(dy, self._as(dy.dtype))
+    def backward(self, dy: Any, out: Any = None, accumulate: bool = False) -> Any:
+        """dy @ W (into `out`, or added to it)"""
+        return self.backend.matmul(dy, self._as(dy.dtype), out=out, accumulate=accumulate)
 
     def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
         """||W + s·B·A|| per row."""
@@ -98,11 +98,11 @@ class QuantBase:
     def shape(self) -> tuple[int, int]:
         return (int(self.q.shape[0]), int(self.q.shape[1]))
 
-    def forward(self, x: Any) -> Any:
-        return self.backend.quantized_matmul(x, self.packed)
+    def forward(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+        return self.backend.quantized_matmul(x, self.packed, True, out, accumulate)
 
-    def backward(self, dy: Any) -> Any:
-        return self.backend.quantized_matmul(dy, self.packed, transpose=False)
+    def backward(self, dy: Any, out: Any = None, accumulate: bool = False) -> Any:
+        return self.backend.quantized_matmul(dy, self.packed, False, out, accumulate)
 
     def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
         return self.backend.dora_row_norms(self.packed, b, a, scaling)
@@ -174,7 +174,7 @@ class _LoraLayer:
         self.enabled = True
         self._calls = _CallState()
         self._finite = backend.finite_check()
-        self._dropout_rng = np.random.default_rng(_seed(config, name) + 1)
+        self._dropout_rng = backend.xp.random.default_rng(_seed(config, name) + 1)
         self._merge_norms: Any = None
 
     # --- parameters -----------------------------------------------------------------------
@@ -308,25 +308,46 @@ class _LoraLayer:
         self._finite.record(a, what)
         return a, out, lead
 
-    def _result(self, y: Any, dtype: OutputDtype, shape: tuple[int, ...]) -> Any:
+    def _result(
+        self, y: Any, dtype: OutputDtype, shape: tuple[int, ...], out: Any, what: str
+    ) -> Any:
+        """y of `shape` in `dtype`; written into `out` (checked) when one is given."""
         y = y.reshape(shape)
-        return y if formats.dtype_name(y.dtype) == dtype else y.astype(formats.numpy_dtype(dtype))
+        if formats.dtype_name(y.dtype) != dtype:
+            y = y.astype(formats.numpy_dtype(dtype))
+        if out is None:
+            return y
+        if (
+            backends.of(out).device != self.device
+            or tuple(out.shape) != shape
+            or formats.dtype_name(out.dtype) != dtype
+        ):
+            raise ValueError(
+                f"{what}: expected a {dtype} array of shape {shape} on {self.device}, got "
+                f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}"
+            )
+        out[...] = y
+        return out
 
     def _keep_mask(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive."""
+        """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive. Drawn
+        on the layer's device (numpy's generator on the CPU, CuPy's on the GPU), seeded per
+        layer, so a mask never crosses between host and device."""
         p = self.config.dropout
         if not self.training or p == 0.0:
             return None
-        keep = (self._dropout_rng.random(shape) >= p).astype(np.float32) / np.float32(1.0 - p)
-        return self._base.backend.xp.asarray(keep, dtype=dtype)
+        keep = self._dropout_rng.random(shape, dtype=np.float32) >= np.float32(p)
+        return keep.astype(dtype) * np.asarray(1.0 / (1.0 - p), dtype=dtype)
 
-    def forward(self, x: Any) -> Any:
-        """y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias) for x of shape [in] or [..., in]."""
+    def forward(self, x: Any, out: Any = None) -> Any:
+        """y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias) for x of shape [in] or [..., in], in x's
+        dtype (float32 for float64); written into `out` when given."""
         x2, out_dtype, lead = self._activation(x, "x", self.in_features)
         backend = self._base.backend
-        y = self._base.forward(x2)
-        cache: dict[str, Any] = {"lead": lead, "active": False, "out_dtype": out_dtype}
-        if self.enabled and not self.merged:
+        cache: dict[str, Any] = {"lead": lead, "active": False}
+        if not (self.enabled and not self.merged):
+            y = self._base.forward(x2)
+        else:
             # The parameters in the compute dtype, cast once for this forward and its backward.
             a = self.lora_a.astype(x2.dtype, copy=False)
             b = self.lora_b.astype(x2.dtype, copy=False)
@@ -335,24 +356,31 @@ class _LoraLayer:
             h = backend.matmul(xd, a.T)  # [m, r]
             cache.update(active=True, xd=xd, h=h, keep=keep, a=a, b=b)
             if self.lora_magnitude is None:
-                backend.matmul(h, b.T, alpha=self.scaling, out=y, accumulate=True)
+                # s·h·Bᵀ first, then the base product adds itself to it inside its GEMM.
+                y = backend.matmul(h, b.T, alpha=self.scaling)
+                self._base.forward(x2, out=y, accumulate=True)
             else:
                 norms = self._row_norms()  # detached: a constant for the gradients
-                g = (self.lora_magnitude / norms).astype(y.dtype)
-                base_d = y if keep is None else self._base.forward(xd)
+                g = (self.lora_magnitude / norms).astype(x2.dtype)
                 lora = backend.matmul(h, b.T, alpha=self.scaling)
-                cache.update(g=g, norms=norms, dora_out=base_d + lora)
-                y += (g - 1) * base_d + g * lora
+                y = self._base.forward(x2)
+                base_d = y if keep is None else self._base.forward(xd)
+                dora_out = base_d + lora
+                cache.update(g=g, norms=norms, dora_out=dora_out)
+                if keep is None:
+                    y = dora_out * g  # x (g·(W + sBA))ᵀ
+                else:
+                    y += (g - 1) * base_d + g * lora
         if self.bias is not None:
             y += self.bias.astype(y.dtype, copy=False)
         self._calls.cache = cache
-        return self._result(y, out_dtype, (*lead, self.out_features))
+        return self._result(y, out_dtype, (*lead, self.out_features), out, "out")
 
     __call__ = forward
 
-    def backward(self, grad_y: Any) -> Any:
-        """grad_x for this thread's last forward, in grad_y's dtype; fills grad_a, grad_b (and
-        grad_magnitude) in float32. W is frozen."""
+    def backward(self, grad_y: Any, out: Any = None) -> Any:
+        """grad_x for this thread's last forward, in grad_y's dtype (into `out` when given);
+        fills grad_a, grad_b (and grad_magnitude) in float32. W is frozen."""
         c = self._calls.cache
         if c is None:
             raise ValueError("backward() needs a forward() first (in this thread)")
@@ -365,35 +393,34 @@ class _LoraLayer:
         in_shape = (*c["lead"], self.in_features)
         if not c["active"]:
             calls.grad_a = calls.grad_b = calls.grad_magnitude = None
-            return self._result(self._base.backward(dy), gx_dtype, in_shape)
+            return self._result(self._base.backward(dy), gx_dtype, in_shape, out, "out")
         backend = self._base.backend
         xd, h, keep, a, b = c["xd"], c["h"], c["keep"], c["a"], c["b"]
         if dy.dtype != xd.dtype:  # a gradient in another dtype than the forward's activation
             dy = dy.astype(xd.dtype)
+        f32 = np.float32
         if self.lora_magnitude is None:
             dyg = dy
         else:
             g = c["g"]
-            grad_m = (dy * c["dora_out"]).sum(axis=0).astype(np.float32) / c["norms"]
-            calls.grad_magnitude = grad_m
+            grad_m = (dy * c["dora_out"]).sum(axis=0, dtype=f32) / c["norms"]
+            calls.grad_magnitude = grad_m.astype(f32, copy=False)
             dyg = dy * g
-        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling).astype(np.float32, copy=False)
+        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
         gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
-        calls.grad_a = backend.matmul(gh.T, xd).astype(np.float32, copy=False)
-        if self.lora_magnitude is None or keep is None:
-            # Without DoRA, or DoRA without dropout: dx = dyg W + (gh A) ⊙ keep.
-            dx = self._base.backward(dyg)
-            if keep is None:
-                backend.matmul(gh, a, out=dx, accumulate=True)
-            else:
-                dx += backend.matmul(gh, a) * keep
+        calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
+        dx = backend.matmul(gh, a)  # the LoRA branch's part of dL/dx, [m, in]
+        if keep is not None:
+            dx *= keep
+        if self.lora_magnitude is None:
+            self._base.backward(dyg, out=dx, accumulate=True)  # + dyg·W, inside the GEMM
+        elif keep is None:  # DoRA without dropout: dx = (dy·g)·W + (gh·A)
+            self._base.backward(dyg, out=dx, accumulate=True)
         else:
             # DoRA with dropout: y = x Wᵀ + (g-1)·(x_d Wᵀ) + g·s·(x_d Aᵀ Bᵀ).
-            dx = self._base.backward(dy)
-            dxd = self._base.backward(dy * (g - 1))
-            backend.matmul(gh, a, out=dxd, accumulate=True)
-            dx += dxd * keep
-        return self._result(dx, gx_dtype, in_shape)
+            dx += self._base.backward(dy * (g - 1)) * keep
+            self._base.backward(dy, out=dx, accumulate=True)
+        return self._result(dx, gx_dtype, in_shape, out, "out")
 
     def _move(self, to: Backend) -> None:
         """Moves the adapter's arrays to `to`'s device."""

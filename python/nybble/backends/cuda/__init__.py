@@ -23,7 +23,7 @@ from ...formats import (
     output_dtype,
 )
 from .. import Device, cpu
-from . import launch
+from . import blas, launch
 from .arrays import as_cupy, ready
 from .kernels import GEMV_MAX_TOKENS
 
@@ -42,11 +42,11 @@ class CudaBackend:
 
     def __init__(self) -> None:
         self.xp: ModuleType = cp
-        #: What the fused GEMV prepared for each weight (its checks and launch arguments),
-        #: for as long as the weight's arrays live.
-        self._gemv_weights: weakref.WeakKeyDictionary[Packed, launch.GemvWeight] = (
-            weakref.WeakKeyDictionary()
-        )
+        #: What each quantized tensor's launches were prepared with (checks done, argument
+        #: buffers built), for as long as its arrays live.
+        self._prepared: weakref.WeakKeyDictionary[Packed, Prepared] = weakref.WeakKeyDictionary()
+        #: Finite checks of quantize calls made inside a graph capture, raised by check().
+        self.captured_checks = DeviceFiniteCheck()
 
     # --- arrays in and out -----------------------------------------------------------------
 
@@ -82,13 +82,18 @@ class CudaBackend:
         flat = ready(a).reshape(-1)
         if dtype_name(flat.dtype) == "float64":
             flat = launch.narrow_f64(flat)  # round to nearest, then quantize as f32
+        if check_finite and capturing():
+            # No read back inside a capture: the scan's result waits for check().
+            codes, absmax = launch.quantize(flat, blocksize, codebook, check_finite=False)
+            self.captured_checks.record(flat, "x of a captured quantize")
+            return codes, absmax
         return launch.quantize(flat, blocksize, codebook, check_finite)
 
     def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
         if out is None:
             out = cp.empty(q.shape, numpy_dtype(dtype))
         elif (
-            not isinstance(out, cp.ndarray)
+            type(out) is not cp.ndarray
             or dtype_name(out.dtype) != dtype
             or out.size != q.size
             or not out.flags.c_contiguous
@@ -102,15 +107,28 @@ class CudaBackend:
 
     def dequantize_into(self, q: Packed, start: int, out: Any) -> None:
         """out (flat) = elements [start, start + out.size) of q."""
-        absmax = None if q.nested is not None else ready(q.absmax)
-        nested = None if q.nested is None else _nested_ready(q.nested)
-        launch.dequantize(
-            ready(q.codes), absmax, nested, q.codebook, "split", q.blocksize, q.size, start, out
-        )
+        self.prepared(q).dequantize(start, out)
+
+    def prepared(self, q: Packed) -> Prepared:
+        """q's launches, prepared once (kept while q lives; made afresh per call for arrays
+        that had to be copied to be aligned, which nothing could keep valid)."""
+        found = self._prepared.get(q)
+        if found is not None:
+            return found
+        made = Prepared(q)
+        if made.reusable:
+            self._prepared[q] = made
+        return made
 
     def double_quantize(self, absmax: Any) -> NestedAbsmax:
         """The scales' double quantization, on the host by the Rust core: scales are 1/64 of
-        the weight, and the mean it starts from is a sum in order, cheap on the host."""
+        the weight, and the mean it starts from is a sum in order, cheap on the host. So it
+        cannot run inside a graph capture."""
+        if capturing():
+            raise RuntimeError(
+                "double quantization reads the scales back to the host, which a CUDA graph "
+                "capture does not allow: quantize with double_quant=True outside the capture"
+            )
         host = cpu.BACKEND.double_quantize(cp.asnumpy(absmax))
         return NestedAbsmax(cp.asarray(host.codes), cp.asarray(host.absmax2), host.offset)
 
@@ -123,40 +141,58 @@ class CudaBackend:
     # --- layer math --------------------------------------------------------------------------
 
     def matmul(
-        self, a: Any, b: Any, alpha: float = 1.0, out: Any = None, accumulate: bool = False
+        self,
+        a: Any,
+        b: Any,
+        alpha: float = 1.0,
+        out: Any = None,
+        accumulate: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
-        r = a @ b
+        if dtype_name(a.dtype) in blas.DTYPES and a.dtype == b.dtype:
+            return blas.gemm(a, b, out, alpha, 1.0 if accumulate else 0.0, out_dtype)
+        r = a @ b  # float64 (gradient checks): CuPy's own GEMM, then the scaling and the sum
         if alpha != 1.0:
             r *= alpha
         if out is None:
-            return r
+            return r if out_dtype is None else r.astype(out_dtype)
         if accumulate:
             out += r
         else:
             out[...] = r
         return out
 
-    def quantized_matmul(self, x: Any, w: Packed, transpose: bool = True) -> Any:
+    def quantized_matmul(
+        self,
+        x: Any,
+        w: Packed,
+        transpose: bool = True,
+        out: Any = None,
+        accumulate: bool = False,
+    ) -> Any:
         rows, cols = _matrix_shape(w)
-        x = ready(x)
         dtype = output_dtype(x.dtype)
         m = x.shape[0]
-        if not transpose:  # dy @ W: f32 partial sums over row tiles in float32
-            y: Any = None
-            for r0, r1 in row_tiles(w, dtype):
-                part = x[:, r0:r1] @ self.dense_rows(w, r0, r1, dtype)
-                y = part if y is None else y + part
-            return y if y is not None else cp.zeros((m, cols), x.dtype)
-        if 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
-            y = cp.empty((m, rows), x.dtype)
-            self.gemv_weight(w)(x, y)
+        shape = (m, rows if transpose else cols)
+        if out is not None:
+            _check_out(out, shape, x.dtype)
+        beta = 1.0 if accumulate and out is not None else 0.0
+        if transpose and 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
+            y = cp.empty(shape, x.dtype) if out is None or beta else out
+            self.gemv_weight(w)(ready(x), y)
+            if out is not None and y is not out:
+                out += y
+                return out
             return y
+        y = out if out is not None else cp.empty(shape, x.dtype)
         tiles = row_tiles(w, dtype)
-        if len(tiles) == 1:
-            return x @ self.dense_rows(w, 0, rows, dtype).T
-        y = cp.empty((m, rows), x.dtype)
         for r0, r1 in tiles:
-            y[:, r0:r1] = x @ self.dense_rows(w, r0, r1, dtype).T
+            dense = self.dense_rows(w, r0, r1, dtype)
+            if transpose:  # x @ W.T: a column block of y per tile
+                blas.gemm(x, dense.T, y[:, r0:r1], beta=beta)
+            else:  # x @ W: the tiles' products summed into y, in float32 sums
+                blas.gemm(x[:, r0:r1], dense, y, beta=beta)
+                beta = 1.0
         return y
 
     def dense_rows(self, w: Packed, r0: int, r1: int, dtype: OutputDtype) -> Any:
@@ -166,26 +202,16 @@ class CudaBackend:
         self.dequantize_into(w, r0 * cols, out.reshape(-1))
         return out
 
+    def gemv_fast(self, x: Any, w: Packed, out: Any) -> Any:
+        """The fused GEMV's fast path (GemvWeight.fast) for a weight already prepared by a
+        checked call; None when the call is not of its kind."""
+        prepared = self._prepared.get(w)
+        gemv = None if prepared is None else prepared._gemv
+        return None if gemv is None else gemv.fast(x, out)
+
     def gemv_weight(self, w: Packed) -> launch.GemvWeight:
-        """What the fused GEMV prepares for `w` (checks, launch arguments), kept while w lives;
-        remade per call when its arrays had to be copied to be aligned."""
-        found = self._gemv_weights.get(w)
-        if found is not None:
-            return found
-        arrays = (
-            (w.codes, w.absmax) if w.nested is None else (w.codes, w.nested.codes, w.nested.absmax2)
-        )
-        aligned = [ready(cp.asarray(a)) for a in arrays]
-        nested = None
-        if w.nested is not None:
-            nested = NestedAbsmax(aligned[1], aligned[2], w.nested.offset)
-        absmax = aligned[1] if w.nested is None else None
-        made = launch.GemvWeight(
-            aligned[0], absmax, nested, w.codebook, _matrix_shape(w), w.blocksize
-        )
-        if all(a is b for a, b in zip(aligned, arrays, strict=True)):  # no copies: reusable
-            self._gemv_weights[w] = made
-        return made
+        """What the fused GEMV prepared for `w` (checks, launch arguments)."""
+        return self.prepared(w).gemv()
 
     def dora_row_norms(self, w: Any, b: Any, a: Any, scaling: float) -> Any:
         """Row norms of W + s·B·A; a quantized W is dequantized one row tile at a time."""
@@ -225,6 +251,60 @@ class DeviceFiniteCheck:
                 raise NonFiniteError(int(index), name)
 
 
+class Prepared:
+    """The launches of one quantized tensor, its arrays checked (and aligned) once."""
+
+    def __init__(self, q: Packed) -> None:
+        # Not q itself: the backend keeps this while q lives, weakly keyed on q.
+        self.codebook, self.shape, self.blocksize = (
+            q.codebook,
+            _matrix_shape_or_none(q),
+            q.blocksize,
+        )
+        arrays = [q.codes] + ([q.absmax] if q.nested is None else [q.nested.codes,
+                                                                  q.nested.absmax2])  # fmt: skip
+        aligned = [ready(cp.asarray(a)) for a in arrays]
+        #: False when arrays had to be copied: the copies would be kept alive with it.
+        self.reusable = all(a is b for a, b in zip(aligned, arrays, strict=True))
+        self.codes = aligned[0]
+        self.absmax = aligned[1] if q.nested is None else None
+        self.nested = (
+            None if q.nested is None else NestedAbsmax(aligned[1], aligned[2], q.nested.offset)
+        )
+        self.dequantize = launch.DequantizeWeight(
+            self.codes, self.absmax, self.nested, q.codebook, q.blocksize, q.size
+        )
+        self._gemv: launch.GemvWeight | None = None
+
+    def gemv(self) -> launch.GemvWeight:
+        if self._gemv is None:
+            if self.shape is None:
+                raise ValueError("the fused GEMV takes a 2-D weight [out, in]")
+            self._gemv = launch.GemvWeight(
+                self.codes, self.absmax, self.nested, self.codebook, self.shape, self.blocksize
+            )
+        return self._gemv
+
+
+def capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph."""
+    return bool(cp.cuda.get_current_stream().is_capturing())
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
+    if (
+        type(out) is not cp.ndarray
+        or tuple(out.shape) != shape
+        or out.dtype != dtype
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"out: expected a C-contiguous CuPy array of shape {shape} and dtype "
+            f"{dtype_name(dtype)}, got {type(out).__name__} {getattr(out, 'shape', '')} "
+            f"{getattr(out, 'dtype', '')}"
+        )
+
+
 def row_tiles(w: Packed, dtype: str) -> list[tuple[int, int]]:
     """Row ranges that dequantize W a tile of at most TILE_BYTES at a time in float32 (16-bit
     compute takes it whole, as cuBLAS wants it)."""
@@ -240,6 +320,10 @@ def _matrix_shape(w: Packed) -> tuple[int, int]:
     if len(w.shape) != 2:
         raise ValueError(f"expected a 2-D quantized weight [out, in], got shape {w.shape}")
     return w.shape[0], w.shape[1]
+
+
+def _matrix_shape_or_none(w: Packed) -> tuple[int, int] | None:
+    return (w.shape[0], w.shape[1]) if len(w.shape) == 2 else None
 
 
 def _nested_ready(nested: NestedAbsmax) -> NestedAbsmax:

@@ -27,14 +27,29 @@ def as_cupy(x: Any, what: str = "x") -> Any:
         if not x.is_cuda:
             raise ValueError(f"{what}: a torch tensor on {x.device}, expected a CUDA one")
         return _torch_view(x)
+    from .. import of
+
+    if of(x).device != "cuda":
+        raise ValueError(
+            f"{what}: expected a CUDA array (CuPy, torch, DLPack), got {type(x).__name__}"
+        )
     try:
         if hasattr(x, "__cuda_array_interface__"):
             return cp.asarray(x)
-        if hasattr(x, "__dlpack__"):
-            return cp.from_dlpack(x)
+        return cp.from_dlpack(x)
     except (BufferError, TypeError, RuntimeError, ValueError) as e:
         raise ValueError(f"{what}: cannot read this array on the GPU ({e})") from None
-    raise ValueError(f"{what}: expected a CUDA array (CuPy, torch, DLPack), got {type(x).__name__}")
+
+
+def to_device(x: Any, what: str) -> Any:
+    """A CUDA view of `x`, or a copy on the current GPU of a host array."""
+    from .. import of
+
+    if of(x).device == "cuda":
+        return as_cupy(x, what)
+    from ..cpu import as_numpy
+
+    return cp.asarray(as_numpy(x, what))
 
 
 def _torch_view(t: Any) -> Any:

@@ -17,6 +17,7 @@ from ...formats import (
     KernelCodebook,
     NestedAbsmax,
     dtype_name,
+    numpy_dtype,
 )
 from . import kernels
 from .kernels import GEMV_MAX_TOKENS, SUFFIX, KernelModule
@@ -288,14 +289,31 @@ def gemv_supported(codebook: str, shape: tuple[int, ...]) -> bool:
     return codebook in ("nf4", "fp4") and len(shape) == 2 and shape[1] % 32 == 0 and shape[1] > 0
 
 
+def _tokens_ok(a: Any, dtypes: tuple[str, ...], device: int) -> bool:
+    """The cheap form of check_array for per-call arguments: a C-contiguous, 16-byte aligned
+    CuPy array of one of `dtypes` on `device`. On False the caller runs check_array for the
+    message."""
+    return (
+        type(a) is cp.ndarray
+        and dtype_name(a.dtype) in dtypes
+        and a.flags.c_contiguous
+        and a.data.ptr % 16 == 0
+        and a.data.device_id == device
+    )
+
+
 class GemvWeight:
     """A 4-bit weight W of `shape` [rows, cols] checked once for the fused GEMV, so that each
     call, `weight(x, y)`: y[m, rows] = x[m, cols] @ W.T for 1 <= m <= GEMV_MAX_TOKENS, only
-    checks its tokens. Per-call host time matters here: a 1-token GEMV of a 4096 x 4096 weight
-    runs about 9 us on an H100, about what the Python around one launch costs.
+    checks its tokens and launches with a prepared argument buffer (kernels.PreparedLaunch).
+    Per-call host time matters here: a 1-token GEMV of a 4096 x 4096 weight runs about 9 us on
+    an H100, what CuPy's own launch path alone costs.
 
     `module` selects the compiled kernels (default: the library's; benchmarks/gemv_tune.py
     passes tuning builds compiled with other -D parameters)."""
+
+    #: Where the varying arguments sit in the kernels' parameter lists.
+    _X, _TC_Y, _F32_Y = 0, 13, 12
 
     def __init__(
         self,
@@ -317,7 +335,7 @@ class GemvWeight:
         check_array(codes, "codes", ("uint8",), rows * cols // 2)
         self.scales = scale_args(absmax, nested, -(-(rows * cols) // blocksize))
         self.codes = codes
-        self.device = codes.device.id
+        self.device = int(codes.data.device_id)
         self.module = module or kernels.module(device=self.device)
         facts = self.module.facts
         self.values = table("values", "nf4" if codebook == "nf4" else "fp4")
@@ -333,7 +351,9 @@ class GemvWeight:
             d: f"gemv_tc_{SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]
         }
         self.tiles = -(-rows // facts.tc_rows)
-        self._tc_launches: dict[str, tuple[Any, tuple[int]]] = {}  # tensor-core: kernel, grid
+        #: Prepared launches by (token dtype, token count).
+        self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
+        self._row_bytes = 2 * cols  # a row of 16-bit tokens
 
     def tc_blocks(self, kernel: Any) -> int:
         """Blocks to launch of a tensor-core GEMV kernel: as many as the GPU holds at once, at
@@ -345,39 +365,176 @@ class GemvWeight:
 
     def __call__(self, x: Any, y: Any) -> None:
         rows, cols = self.rows, self.cols
-        check_array(x, "x", DTYPES)
-        if x.ndim != 2 or x.shape[1] != cols or not 1 <= x.shape[0] <= GEMV_MAX_TOKENS:
+        if not _tokens_ok(x, DTYPES, self.device):
+            check_array(x, "x", DTYPES)
+            raise ValueError(f"x: on device {x.data.device_id}, the weight on {self.device}")
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != cols or not 1 <= shape[0] <= GEMV_MAX_TOKENS:
             raise ValueError(
-                f"x: expected shape (m, {cols}) with 1 <= m <= {GEMV_MAX_TOKENS}, got {x.shape}"
+                f"x: expected shape (m, {cols}) with 1 <= m <= {GEMV_MAX_TOKENS}, got {shape}"
             )
-        m = x.shape[0]
+        m = shape[0]
         name = dtype_name(x.dtype)
-        check_array(y, "y", (name,), m * rows)
-        if y.shape != (m, rows):
-            raise ValueError(f"y: expected shape {(m, rows)}, got {y.shape}")
-        if x.device.id != self.device:
-            raise ValueError(f"x: on device {x.device.id}, the weight on device {self.device}")
+        if not _tokens_ok(y, (name,), self.device) or y.shape != (m, rows):
+            check_array(y, "y", (name,), m * rows)
+            raise ValueError(
+                f"y: expected shape {(m, rows)} on device {self.device}, got "
+                f"{y.shape} on {y.data.device_id}"
+            )
         if rows == 0:
             return
-        facts = self.module.facts
-        if name == "float32":
-            args = (self.codes, *self.scales, self.values, *self.dims, self.log2_bs)
-            step = facts.gemv_tokens
-            for t in range(0, m, step):  # rows of x and y: contiguous slices
-                xt, yt = x[t : t + step], y[t : t + step]
-                kernel = self.module.function(f"gemv_f32_m{xt.shape[0]}")
-                grid = _grid(rows, facts.gemv_rows)
-                kernel(grid, (facts.gemv_threads,), (xt, *args, yt))
+        if name != "float32":
+            launch = self._launch(name, m)
+            launch.set(self._X, x.data.ptr)
+            launch.set(self._TC_Y, y.data.ptr)
+            launch()
             return
-        kernel, grid = self._tc_launch(self.tc_names[name])
-        args = (x, self.codes, *self.scales, self.values, *self.dims, np.int32(m), self.log2_bs, y)
-        kernel(grid, (facts.tc_threads,), args, shared_mem=self.smem)
+        step = self.module.facts.gemv_tokens
+        row_bytes = cols * 4
+        for t in range(0, m, step):  # rows t.. of x and y: contiguous
+            launch = self._launch(name, min(step, m - t))
+            launch.set(self._X, x.data.ptr + t * row_bytes)
+            launch.set(self._F32_Y, y.data.ptr + t * rows * 4)
+            launch()
 
-    def _tc_launch(self, name: str) -> tuple[Any, tuple[int]]:
-        """The tensor-core kernel `name` and its grid, remembered: the weight stays on one
-        device."""
-        launch = self._tc_launches.get(name)
+    def fast(self, x: Any, out: Any) -> Any:
+        """The decode loop's call made with the fewest checks that keep it safe: a 2-D
+        C-contiguous, 16-byte aligned 16-bit x on the weight's device, 1 <= m <= 8, and `out`
+        None or of the same kind. Returns y, or None when the call is not of that kind (the
+        checked path then takes it, and says what is wrong)."""
+        shape = x.shape
+        if len(shape) != 2 or shape[1] != self.cols:
+            return None
+        m = shape[0]
+        launch = self._launches.get((x.dtype, m))
+        if launch is None or x.dtype == np.float32:  # made by a checked call first
+            return None
+        data = x.data
+        if x.strides != (self._row_bytes, 2) or data.ptr % 16 or data.device_id != self.device:
+            return None
+        if out is None:
+            out = cp.empty((m, self.rows), x.dtype)
+        elif (
+            type(out) is not cp.ndarray
+            or out.dtype != x.dtype
+            or out.shape != (m, self.rows)
+            or out.strides != (2 * self.rows, 2)
+            or out.data.ptr % 16
+            or out.data.device_id != self.device
+        ):
+            return None
+        launch.set(self._X, data.ptr)
+        launch.set(self._TC_Y, out.data.ptr)
+        launch()
+        return out
+
+    def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
+        """The prepared launch for m tokens of `dtype`: a tensor-core kernel takes m as an
+        argument, fixed in its launch (one per count, so that a call sets only addresses);
+        the float32 kernels are one per count of up to GEMV_F32 tokens."""
+        key = (numpy_dtype(dtype), m)
+        found = self._launches.get(key)
+        if found is not None:
+            return found
+        facts = self.module.facts
+        placeholder = self.codes  # any device address: the token arguments are set per call
+        if dtype == "float32":
+            kernel = self.module.function(f"gemv_f32_m{m}")
+            args = (
+                placeholder,
+                self.codes,
+                *self.scales,
+                self.values,
+                *self.dims,
+                self.log2_bs,
+                placeholder,
+            )
+            made = kernels.PreparedLaunch(
+                kernel, _grid(self.rows, facts.gemv_rows)[0], facts.gemv_threads, args
+            )
+        else:
+            kernel = self.module.function(self.tc_names[dtype], self.smem)
+            args = (
+                placeholder,
+                self.codes,
+                *self.scales,
+                self.values,
+                *self.dims,
+                np.int32(m),
+                self.log2_bs,
+                placeholder,
+            )
+            made = kernels.PreparedLaunch(
+                kernel, self.tc_blocks(kernel), facts.tc_threads, args, self.smem
+            )
+        self._launches[key] = made
+        return made
+
+
+class DequantizeWeight:
+    """The dequantize launch of one quantized tensor in the split layout, checked once: a
+    call, `weight(start, out)`, fills `out` with elements [start, start + out.size) after
+    checking only `out` and the range, through a prepared argument buffer."""
+
+    _START, _N, _OUT = 8, 9, 11
+
+    def __init__(
+        self,
+        codes: Any,
+        absmax: Any,
+        nested: NestedAbsmax | None,
+        codebook: KernelCodebook,
+        blocksize: int,
+        total: int,
+    ) -> None:
+        if codebook not in QUANT_FORMATS:
+            raise ValueError(
+                f"codebook: expected one of {', '.join(QUANT_FORMATS)}, got {codebook!r}"
+            )
+        self.bits = formats.code_bits(codebook)
+        self.log2_bs = log2_blocksize(blocksize)
+        self.total = total
+        check_array(codes, "codes", ("uint8",), formats.code_bytes(total, codebook))
+        self.scales = scale_args(absmax, nested, -(-total // blocksize))
+        self.codes = codes
+        self.values = table("values", codebook)
+        self.device = int(codes.data.device_id)
+        self.module = kernels.module(device=self.device)
+        self._launches: dict[str, kernels.PreparedLaunch] = {}
+
+    def __call__(self, start: int, out: Any) -> None:
+        if not _tokens_ok(out, DTYPES, self.device):
+            check_array(out, "out", DTYPES)
+            raise ValueError(f"out: on device {out.data.device_id}, the tensor on {self.device}")
+        n = out.size
+        align = _START_ALIGN[self.bits]
+        if start % align or start < 0 or start + n > self.total:
+            raise ValueError(
+                f"elements [{start}, {start + n}) of {self.total}: start must be a multiple "
+                f"of {align}"
+            )
+        if n == 0:
+            return
+        name = dtype_name(out.dtype)
+        launch = self._launches.get(name)
         if launch is None:
-            kernel = self.module.function(name, self.smem)
-            launch = self._tc_launches[name] = (kernel, (self.tc_blocks(kernel),))
-        return launch
+            kernel = (
+                f"dequant4_split_{SUFFIX[name]}" if self.bits == 4 else f"dequant8_{SUFFIX[name]}"
+            )
+            args = (
+                self.codes,
+                *self.scales,
+                self.values,
+                np.int64(0),
+                np.int64(0),
+                self.log2_bs,
+                self.codes,
+            )
+            launch = kernels.PreparedLaunch(
+                self.module.function(kernel), 1, self.module.facts.threads, args
+            )
+            self._launches[name] = launch
+        launch.set(self._START, start)
+        launch.set(self._N, n)
+        launch.set(self._OUT, out.data.ptr)
+        launch(_grid(n, self.module.facts.dequant_per_block(name))[0])
