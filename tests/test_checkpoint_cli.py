@@ -118,9 +118,20 @@ def _snapshot(directory: Path) -> dict[str, bytes] | None:
 
 
 def _start(*argv: str) -> subprocess.Popen[bytes]:
+    """A run to be killed."""
     return subprocess.Popen(
-        [sys.executable, "-m", "nybble", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [sys.executable, "-m", "nybble", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+
+
+def _complete(*argv: str) -> None:
+    """A run that must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "nybble", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def _wait_for_staging(out: Path, p: subprocess.Popen[bytes], limit: float) -> float:
@@ -163,8 +174,7 @@ def _kill_runs(
         if seen == after:
             _restore(out, before)
     # a finished run removes what the killed ones left beside OUT
-    p = _start(*argv, "--force")
-    assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
+    _complete(*argv, "--force")
     assert _snapshot(out) == after
     assert [x.name for x in out.parent.iterdir() if x.name.startswith(f".{out.name}.")] == []
     assert outcomes["before"] > 0
@@ -198,8 +208,7 @@ def test_killed_runs_leave_nothing_or_a_complete_output(tmp_path: Path) -> None:
         "400KB",
     ]
     start = time.monotonic()
-    p = _start(*argv)
-    assert p.wait(timeout=120) == 0, p.stderr.read() if p.stderr else ""
+    _complete(*argv)
     total = time.monotonic() - start
     timing = (total, max(0.05, total - _import_seconds()))
     after = _snapshot(out)
@@ -210,7 +219,7 @@ def test_killed_runs_leave_nothing_or_a_complete_output(tmp_path: Path) -> None:
     # over an existing OUT with --force: the old one or the new one, whole
     _restore(out, None)
     old_argv = ["quantize", str(tmp_path / "dense"), str(out), "--max-shard-size", "400KB"]
-    assert _start(*old_argv).wait(timeout=120) == 0
+    _complete(*old_argv)
     before = _snapshot(out)
     assert before is not None and before != after
     _kill_runs([*argv, "--force"], out, KILLS_OVER_AN_EXISTING_OUT, timing, before, after, seed + 1)

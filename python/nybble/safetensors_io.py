@@ -193,21 +193,29 @@ class SafeTensorsFile:
     def nbytes(self, name: str) -> int:
         return self.info(name).nbytes
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a fresh uint8 array (any dtype)."""
+    def raw(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's bytes as a uint8 array (any dtype): a fresh one, or the start of
+        `out` (a C-contiguous uint8 array at least that large, e.g. a buffer reused from
+        tensor to tensor, which saves the page faults of fresh memory)."""
         info = self.info(name)
-        buf = np.empty(info.nbytes, np.uint8)
+        if out is None:
+            buf = np.empty(info.nbytes, np.uint8)
+        elif out.dtype != np.uint8 or out.ndim != 1 or out.size < info.nbytes:
+            raise ValueError(f"out must be a flat uint8 array of at least {info.nbytes} bytes")
+        else:
+            buf = out[: info.nbytes]
         self._read_into(info, buf)
         return buf
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as a fresh, writable numpy array of its dtype and shape. FormatError for
-        a dtype numpy cannot hold (F4), or when the file no longer holds the bytes."""
+    def get(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor as a writable numpy array of its dtype and shape (in `out`'s memory
+        when given, as for `raw`). FormatError for a dtype numpy cannot hold (F4), or when
+        the file no longer holds the bytes."""
         info = self.info(name)
         dtype = DTYPES.get(info.dtype)
         if dtype is None or dtype.numpy is None:
             raise FormatError(self.path, f"dtype {info.dtype} has no numpy equivalent", name)
-        return self.raw(name).view(dtype.numpy).reshape(info.shape)
+        return self.raw(name, out).view(dtype.numpy).reshape(info.shape)
 
     def _read_into(self, info: TensorInfo, buf: np.ndarray) -> None:
         if self._fd is None:

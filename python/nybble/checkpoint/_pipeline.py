@@ -7,32 +7,36 @@ largest task, so peak memory follows the largest tensor, not the checkpoint."""
 from __future__ import annotations
 
 import collections
+import math
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
 from ..safetensors_io import Entry
 from ._output import ShardedWriter
+from ._source import Checkpoint
 
-#: Memory tasks in flight may hold at least (a larger task runs alone).
-MIN_BUDGET = 256 * 2**20
+#: Memory tasks in flight may hold at least (a larger task runs alone): room for a task being
+#: read, one computed and one written, so that the disk and the cores work at once.
+MIN_BUDGET = 384 * 2**20
 #: Tasks read ahead of the one being computed, at most.
-MAX_AHEAD = 8
+MAX_AHEAD = 4
 
-Work = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+Work = Callable[[Mapping[str, np.ndarray], "Scratch"], Mapping[str, np.ndarray]]
 
 
 @dataclass
 class Task:
     """Read `inputs` (as arrays, or as bytes when `raw`), compute `work` on them, write its
     results, which must be exactly `outputs` (as bytes when `raw`: a copy). `cost` is the
-    memory the task holds at its peak, `size` what it counts for in progress (bytes read)."""
+    memory the task holds at its peak, `size` what it counts for in progress (bytes read).
+    `work` may take large result buffers from its Scratch (reused from task to task)."""
 
     inputs: list[str]
     outputs: list[Entry]
@@ -44,7 +48,7 @@ class Task:
 
 def copy_task(name: str, entry: Entry) -> Task:
     """A tensor copied byte for byte."""
-    return Task([name], [entry], lambda arrays: arrays, entry.nbytes, entry.nbytes, raw=True)
+    return Task([name], [entry], lambda arrays, _: arrays, entry.nbytes, entry.nbytes, raw=True)
 
 
 class Progress(Protocol):
@@ -100,16 +104,32 @@ class ProgressBar:
         self.stream.flush()
 
 
-class _Budget:
+#: Buffers at least this large are reused from task to task (smaller ones cost little).
+_POOLED = 1 << 20
+
+
+class _Buffers:
+    """Memory for tasks: a budget of bytes in flight, and uint8 buffers reused from task to
+    task, since fresh memory costs a page fault per page on first touch (about a third of
+    the time of reading a tensor from the page cache, measured). Idle buffers count against
+    the budget too, so what the process holds stays within `capacity`."""
+
     def __init__(self, capacity: int) -> None:
         self.free = capacity
+        self._idle: list[np.ndarray] = []
         self._cond = threading.Condition()
+
+    def _trim(self) -> None:
+        held = sum(b.nbytes for b in self._idle)
+        while self._idle and held > self.free:
+            held -= self._idle.pop(0).nbytes  # the oldest first
 
     def try_take(self, n: int) -> bool:
         with self._cond:
             if n > self.free:
                 return False
             self.free -= n
+            self._trim()
             return True
 
     def take(self, n: int, failed: Callable[[], bool]) -> None:
@@ -117,11 +137,43 @@ class _Budget:
             while n > self.free and not failed():
                 self._cond.wait(0.1)
             self.free -= n
+            self._trim()
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, buffers: list[np.ndarray]) -> None:
         with self._cond:
             self.free += n
+            self._idle.extend(buffers)
+            self._trim()
             self._cond.notify_all()
+
+    def buffer(self, n: int) -> np.ndarray:
+        """A uint8 buffer of at least n bytes (an idle one not much larger, or a new one)."""
+        if n >= _POOLED:
+            with self._cond:
+                fits = [i for i, b in enumerate(self._idle) if n <= b.nbytes <= 2 * n]
+                if fits:
+                    return self._idle.pop(min(fits, key=lambda i: self._idle[i].nbytes))
+        return np.empty(n, np.uint8)
+
+
+class Scratch:
+    """The buffers one task takes (given back to the pool once its results are written)."""
+
+    def __init__(self, buffers: _Buffers) -> None:
+        self._buffers = buffers
+        self.taken: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A flat uint8 array of exactly nbytes (in a reused buffer when large)."""
+        buf = self._buffers.buffer(nbytes)
+        if nbytes >= _POOLED:
+            self.taken.append(buf)
+        return buf[:nbytes]
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """An uninitialised array of `shape` and `dtype` in a reused buffer."""
+        n = math.prod(shape) * dtype.itemsize
+        return self.take(n).view(dtype).reshape(shape)
 
 
 @dataclass
@@ -134,21 +186,27 @@ class _Run:
 
 def run(
     tasks: Sequence[Task],
-    read: Callable[[str, bool], np.ndarray],
+    source: Checkpoint,
     writer: ShardedWriter,
     progress: Progress | None = None,
 ) -> None:
-    """Runs every task; the first error stops the run and is raised (nothing of the output
-    is finished: the caller aborts the writer and the output directory)."""
-    budget = _Budget(max([MIN_BUDGET, *(t.cost for t in tasks)]))
+    """Runs every task, reading from `source`; the first error stops the run and is raised
+    (nothing of the output is finished: the caller aborts the writer and the output
+    directory)."""
+    memory = _Buffers(max([MIN_BUDGET, *(t.cost for t in tasks)]))
     state = _Run()
     if progress is not None:
         progress.start(sum(t.size for t in tasks))
 
-    def fetch(task: Task) -> dict[str, np.ndarray]:
-        return {name: read(name, task.raw) for name in task.inputs}
+    def fetch(task: Task) -> tuple[dict[str, np.ndarray], Scratch]:
+        scratch = Scratch(memory)
+        arrays = {}
+        for name in task.inputs:
+            buf = scratch.take(source.info(name).nbytes)
+            arrays[name] = source.raw(name, buf) if task.raw else source.read(name, buf)
+        return arrays, scratch
 
-    def store(task: Task, results: Mapping[str, np.ndarray]) -> None:
+    def store(task: Task, results: Mapping[str, np.ndarray], scratch: Scratch) -> None:
         try:
             if state.failed():
                 return
@@ -161,11 +219,12 @@ def run(
         except BaseException as e:
             state.errors.append(e)
         finally:
-            budget.give(task.cost)
+            memory.give(task.cost, scratch.taken)
 
     reader = ThreadPoolExecutor(1, thread_name_prefix="nybble-read")
     writes = ThreadPoolExecutor(1, thread_name_prefix="nybble-write")
-    ahead: collections.deque[tuple[Task, Future[dict[str, np.ndarray]]]] = collections.deque()
+    ahead: collections.deque[tuple[Task, Future[tuple[dict[str, np.ndarray], Scratch]]]]
+    ahead = collections.deque()
     stored: list[Future[None]] = []
     next_task = 0
     try:
@@ -173,21 +232,21 @@ def run(
             while (
                 next_task < len(tasks)
                 and len(ahead) < MAX_AHEAD
-                and budget.try_take(tasks[next_task].cost)
+                and memory.try_take(tasks[next_task].cost)
             ):
                 ahead.append((tasks[next_task], reader.submit(fetch, tasks[next_task])))
                 next_task += 1
             if not ahead:  # wait for written tasks to give back what the next one needs
-                budget.take(tasks[next_task].cost, state.failed)
+                memory.take(tasks[next_task].cost, state.failed)
                 ahead.append((tasks[next_task], reader.submit(fetch, tasks[next_task])))
                 next_task += 1
             task, fetched = ahead.popleft()
-            arrays = fetched.result()
+            arrays, scratch = fetched.result()
             if state.failed():
                 break
-            results = task.work(arrays)
+            results = task.work(arrays, scratch)
             del arrays
-            stored.append(writes.submit(store, task, results))
+            stored.append(writes.submit(store, task, results, scratch))
             del results
             stored = [f for f in stored if not f.done()]
         for f in stored:

@@ -154,15 +154,15 @@ class Checkpoint:
             return self.index_path or self.path
         return self._where[name][0].path
 
-    def read(self, name: str) -> np.ndarray:
-        """A fresh array of the tensor."""
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor as an array: fresh, or in `out`'s memory (SafeTensorsFile.get)."""
         self.info(name)
-        return self._where[name][0].get(name)
+        return self._where[name][0].get(name, out)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes (any dtype), as a fresh uint8 array."""
+    def raw(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's bytes (any dtype) as a uint8 array (SafeTensorsFile.raw)."""
         self.info(name)
-        return self._where[name][0].raw(name)
+        return self._where[name][0].raw(name, out)
 
     @property
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ from . import _layouts
 from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name, written_files
 from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter, without_quantization
-from ._pipeline import Progress, Task, copy_task, run
+from ._pipeline import Progress, Scratch, Task, copy_task, run
 from ._source import CONFIG_FILE, Checkpoint
 
 
@@ -60,7 +60,7 @@ def dequantize_checkpoint(
         with OutputDirectory(target, overwrite) as out:
             writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
             try:
-                run(tasks, lambda n, raw: ckpt.raw(n) if raw else ckpt.read(n), writer, progress)
+                run(tasks, ckpt, writer, progress)
                 writer.finish()
             except BaseException:
                 writer.abort()
@@ -86,22 +86,31 @@ def dequantize_task(
     names = list(group.members)
     size = sum(ckpt.info(n).nbytes for n in names)
 
-    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
         q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
-        return {group.prefix: dense(q, out_dtype, backend, ckpt, group)}
+        out = scratch.array(header.shape, formats.numpy_dtype(out_dtype))
+        return {group.prefix: dense(q, out_dtype, backend, ckpt, group, out)}
 
-    return Task(names, [entry], work, size + 2 * entry.nbytes, size)
+    return Task(names, [entry], work, size + entry.nbytes, size)
 
 
 def dense(
-    q: NF4Tensor, dtype: OutputDtype, backend: Any, ckpt: Checkpoint, group: QuantGroup
+    q: NF4Tensor,
+    dtype: OutputDtype,
+    backend: Any,
+    ckpt: Checkpoint,
+    group: QuantGroup,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The dequantized weight on the host; FormatError if it does not fit `dtype` (float16
-    overflow), naming the tensor."""
+    """The dequantized weight on the host (in `out` when given); FormatError if it does not
+    fit `dtype` (float16 overflow), naming the tensor."""
     if backend.device != "cpu":
         w = backend.to_host(q.cuda().dequantize(dtype))
+        if out is not None:
+            out[...] = w
+            w = out
     else:
-        w = q.dequantize(dtype)
+        w = q.dequantize(dtype, out=out)
     if dtype == "float16" and not bool(np.isfinite(w).all()):
         raise FormatError(
             ckpt.file_of(group.state_key),

@@ -32,8 +32,8 @@ class ErrorStats:
     max_abs: float
     mean_abs: float
     rmse: float
-    relative_rmse: float
-    snr_db: float
+    relative_rmse: float | None  # None against an all-zero reference
+    snr_db: float | None  # None when the weight equals its reference
     max_block_relative: float | None = None
 
 
@@ -163,13 +163,15 @@ def _compare(
     else:
         values = _layouts.load_group(group, ckpt.read, ckpt.file_of)
     entry.error = error_stats(ref.read(entry.name), values, ref, entry.name)
+    if entry.error is None:
+        entry.note = "holds non-finite values"
 
 
 def error_stats(
     reference: np.ndarray, values: NF4Tensor | np.ndarray, ref: Checkpoint, name: str
-) -> ErrorStats:
+) -> ErrorStats | None:
     """Error statistics of `values` (dense, or quantized: dequantized a chunk at a time)
-    against `reference`, in float64."""
+    against `reference`, in float64; None when `values` holds NaN or inf."""
     n = reference.size
     blocksize = values.blocksize if isinstance(values, NF4Tensor) else None
     flat_ref = reference.reshape(-1)
@@ -180,6 +182,8 @@ def error_stats(
         x = flat_ref[start:stop].astype(np.float64)
         if not bool(np.isfinite(x).all()):
             raise FormatError(ref.file_of(name), "non-finite values in the reference", name)
+        if not bool(np.isfinite(deq).all()):
+            return None
         d = np.abs(deq.astype(np.float64) - x)
         abs_sum += float(d.sum())
         sq_sum += float(np.square(d).sum())
@@ -198,8 +202,8 @@ def error_stats(
         max_abs=max_abs,
         mean_abs=abs_sum / n if n else 0.0,
         rmse=rmse,
-        relative_rmse=rmse / rms if rms else 0.0,
-        snr_db=20 * math.log10(rms / rmse) if rmse and rms else math.inf,
+        relative_rmse=rmse / rms if rms else None,
+        snr_db=20 * math.log10(rms / rmse) if rmse and rms else None,
         max_block_relative=max_block if blocksize is not None else None,
     )
 

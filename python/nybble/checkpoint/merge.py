@@ -35,7 +35,7 @@ from ._common import (
 )
 from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter, without_quantization
-from ._pipeline import Progress, Task, copy_task, run
+from ._pipeline import Progress, Scratch, Task, copy_task, run
 from ._source import CONFIG_FILE, Checkpoint
 from .dequantize import dequantize_task
 
@@ -133,7 +133,7 @@ def merge_adapter(
         with OutputDirectory(target, overwrite) as out:
             writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
             try:
-                run(tasks, lambda n, raw: ckpt.raw(n) if raw else ckpt.read(n), writer, progress)
+                run(tasks, ckpt, writer, progress)
                 writer.finish()
             except BaseException:
                 writer.abort()
@@ -173,8 +173,9 @@ def _merge_dense_task(
     entry = Entry(name, OUTPUT_CODES[out_dtype], info.shape)
     where = (ckpt.file_of(name), name)
 
-    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {name: _merged(arrays[name], lora, module, cfg, out_dtype, backend, where)}
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
+        result = scratch.array(info.shape, formats.numpy_dtype(out_dtype))
+        return {name: _merged(arrays[name], lora, module, cfg, backend, where, result)}
 
     return Task([name], [entry], work, info.nbytes + entry.nbytes + 4 * TILE_BYTES, info.nbytes)
 
@@ -202,9 +203,10 @@ def _merge_group_task(
     names = list(group.members)
     size = sum(ckpt.info(n).nbytes for n in names)
 
-    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
         q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
-        return {group.prefix: _merged(q, lora, module, cfg, out_dtype, backend, where)}
+        result = scratch.array(header.shape, formats.numpy_dtype(out_dtype))
+        return {group.prefix: _merged(q, lora, module, cfg, backend, where, result)}
 
     return Task(names, [entry], work, size + entry.nbytes + 4 * TILE_BYTES, size)
 
@@ -240,20 +242,21 @@ def _merged(
     lora: Adapter,
     module: str,
     cfg: LoraConfig,
-    dtype: OutputDtype,
     backend: Any,
     base: tuple[Path, str],
+    result: np.ndarray,
 ) -> np.ndarray:
-    """The merged weight, in the base's stored layout and `dtype`, computed a tile of rows
-    at a time by the library's LoRA layers (so the float32 temporaries stay small). `base`
-    names the base weight's file and tensor for errors."""
+    """The merged weight, in the base's stored layout, into `result` (whose dtype is the
+    output's), computed a tile of rows at a time by the library's LoRA layers (so the
+    float32 temporaries stay small). `base` names the base weight's file and tensor for
+    errors."""
+    dtype = formats.output_dtype(result.dtype)
     parts = lora.modules[module]
     stored = tuple(weight.shape)
     out_f, in_f = (stored[1], stored[0]) if cfg.fan_in_fan_out else stored
     if isinstance(weight, NF4Tensor):
         # Tiles of rows need rows that start on block boundaries; otherwise all at once.
         weight = _layouts.plain(weight) if in_f % weight.blocksize == 0 else weight.dequantize()
-    result = np.empty(stored, formats.numpy_dtype(dtype))
     rows = max(cfg.r, TILE_BYTES // (4 * max(in_f, 1)))
     starts = list(range(0, out_f, rows))
     if len(starts) > 1 and out_f - starts[-1] < cfg.r:

@@ -30,7 +30,7 @@ from ._common import (
 )
 from ._layouts import Layout, QuantGroup, QuantSpec
 from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter
-from ._pipeline import Progress, Task, copy_task, run
+from ._pipeline import Progress, Scratch, Task, copy_task, run
 from ._source import CONFIG_FILE, Checkpoint
 
 #: quantization_config.quant_method of checkpoints this module can read or write.
@@ -94,7 +94,7 @@ def quantize_checkpoint(
         with OutputDirectory(target, overwrite) as out:
             writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
             try:
-                run(tasks, lambda n, raw: ckpt.raw(n) if raw else ckpt.read(n), writer, progress)
+                run(tasks, ckpt, writer, progress)
                 writer.finish()
             except BaseException:
                 writer.abort()
@@ -161,7 +161,7 @@ def _plan(
                     [name],
                     outputs,
                     _quantize_work(ckpt, name, spec, layout, backend),
-                    info.nbytes + 3 * out_bytes,
+                    info.nbytes + out_bytes,
                     info.nbytes,
                 )
             )
@@ -175,7 +175,7 @@ def _plan(
 def _quantize_work(
     ckpt: Checkpoint, name: str, spec: QuantSpec, layout: Layout, backend: Any
 ) -> Any:
-    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
         x = arrays[name]
         if backend.device != "cpu":
             x = backend.from_host(x)
@@ -204,11 +204,11 @@ def _convert_task(ckpt: Checkpoint, group: QuantGroup, layout: Layout) -> Task:
         )
     outputs = _layouts.entries(layout, group.prefix, header.shape, spec, header.dtype)
 
-    def work(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
         q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
         return _layouts.export(q, layout, group.prefix)
 
-    return Task(names, outputs, work, 3 * size, size)
+    return Task(names, outputs, work, 2 * size, size)
 
 
 def nybble_quantization_config(spec: QuantSpec) -> dict[str, Any]:

@@ -88,8 +88,8 @@ def _tensor_table(result: Inspection) -> str:
                 row += [
                     f"{s.max_abs:.4g}",
                     f"{s.mean_abs:.4g}",
-                    f"{s.relative_rmse:.4g}",
-                    f"{s.snr_db:.1f}",
+                    "" if s.relative_rmse is None else f"{s.relative_rmse:.4g}",
+                    "exact" if s.snr_db is None else f"{s.snr_db:.1f}",
                     block,
                 ]
         rows.append(row)
