@@ -289,17 +289,15 @@ def check(tallies: Sequence[Tally]) -> None:
 
 
 def strict_json(data: bytes) -> Any:
-    """JSON as RFC 8259 defines it (UTF-8 without a byte order mark, no NaN/Infinity): the
-    reference for config files. Raises ValueError for anything else. A number beyond a
-    double's range (1e999) is grammatical JSON: it is for the reader of the field to refuse."""
+    """The reference for JSON files: Python's json module reading the bytes as it reads any
+    (UTF-8, -16 or -32, a byte order mark allowed), but without NaN, Infinity and -Infinity,
+    which JSON (RFC 8259) does not have. Raises ValueError for anything else. A number beyond
+    a double's range (1e999) is grammatical JSON: it is for the reader of the field to refuse."""
 
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
-    text = data.decode("utf-8")  # UnicodeDecodeError is a ValueError
-    if text.startswith("\ufeff"):
-        raise ValueError("a byte order mark is not JSON")
-    return json.loads(text, parse_constant=constant)
+    return json.loads(data, parse_constant=constant)
 
 
 def strict_json_or_none(data: bytes) -> tuple[bool, Any]:
