@@ -189,8 +189,11 @@ _DLPACK_CUDA = (2, 3, 13)
 
 
 def _on_cuda(x: Any) -> bool:
-    if type(x).__module__.split(".")[0] == "cupy":
+    package = type(x).__module__.split(".", 1)[0]
+    if package == "cupy":
         return True
+    if package == "torch":  # without touching __cuda_array_interface__, which raises for bf16
+        return bool(getattr(x, "is_cuda", False))
     try:
         if hasattr(x, "__cuda_array_interface__"):
             return True

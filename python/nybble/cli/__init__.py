@@ -10,17 +10,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import demo, dequantize, estimate, inspect, merge, quantize
+from . import bench, demo, dequantize, estimate, inspect, merge, quantize, train
 from ._common import CliError
 
 #: Each module has `register(subparsers)`, which adds its subcommands with `func` set.
-COMMAND_MODULES = [demo, estimate, quantize, dequantize, merge, inspect]
+COMMAND_MODULES = [demo, estimate, quantize, dequantize, merge, inspect, train, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(
-        prog="nybble", description="NF4 quantization, LoRA/QLoRA math and QLoRA tooling."
+        prog="nybble",
+        description="NF4 quantization, LoRA/QLoRA math and QLoRA tooling. "
+        "`nybble COMMAND --help` explains each command.",
+        epilog="exit codes: 0 success, 1 bad input (one line on stderr), 2 usage",
     )
+    parser.add_argument("--version", action="version", version=f"nybble {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -36,12 +42,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # the reader stopped early (`| head`): not an error of ours
-        sys.stdout = open(os.devnull, "w")  # nothing more reaches the closed pipe at exit
+        _silence_stdout()
         return 0
-    except (CliError, ValueError, KeyError, OSError) as e:
+    except (CliError, ValueError, KeyError, OSError, ImportError, MemoryError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"nybble {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"nybble {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Python flushes stdout at exit, which to a closed pipe is one more error: point the
+    descriptor at /dev/null (a new file object for sys.stdout would be one more to close)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (a test's capture): nothing is flushed to a pipe at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

@@ -120,7 +120,8 @@ def _float_matrix(w: Any, what: str) -> Any:
     a = backend.float_array(w, what)
     if a.ndim != 2:
         raise ValueError(f"{what} must be 2-D [out, in], got shape {tuple(a.shape)}")
-    out = backend.xp.array(a, dtype=np.float32, copy=True)
+    with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused just below
+        out = backend.xp.array(a, dtype=np.float32, copy=True)
     bad = backend.first_non_finite(out)
     if bad is not None:
         raise NonFiniteError(bad, what)
@@ -238,7 +239,8 @@ class _LoraLayer:
             v = backend.from_host(v)
         if tuple(v.shape) != shape:
             raise ValueError(f"{what} must have shape {shape}, got {tuple(v.shape)}")
-        v = v.astype(np.float32)
+        with np.errstate(over="ignore"):  # float64 beyond float32: inf, refused just below
+            v = v.astype(np.float32)
         bad = backend.first_non_finite(v)
         if bad is not None:
             raise NonFiniteError(bad, what)
@@ -304,7 +306,8 @@ class _LoraLayer:
         out: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
         compute = np.float32 if backend.device == "cpu" else formats.numpy_dtype(out)
         lead = tuple(a.shape[:-1])
-        a = backend.xp.ascontiguousarray(a.reshape(-1, width), dtype=compute)
+        with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, found next
+            a = backend.xp.ascontiguousarray(a.reshape(-1, width), dtype=compute)
         self._finite.record(a, what)
         return a, out, lead
 

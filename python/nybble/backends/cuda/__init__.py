@@ -232,12 +232,16 @@ class DeviceFiniteCheck:
 
     def __init__(self) -> None:
         self._first_bad: dict[str, Any] = {}  # what -> uint64[1] on the device
+        self._scans: dict[tuple[str, Any], launch.ScanLaunch] = {}
 
     def record(self, a: Any, what: str) -> None:
-        slot = self._first_bad.get(what)
-        if slot is None:
-            slot = self._first_bad[what] = cp.full(1, np.uint64(launch.NO_INDEX), cp.uint64)
-        launch.scan_non_finite(a, slot)
+        scan = self._scans.get((what, a.dtype))
+        if scan is None:
+            slot = self._first_bad.get(what)
+            if slot is None:
+                slot = self._first_bad[what] = cp.full(1, np.uint64(launch.NO_INDEX), cp.uint64)
+            scan = self._scans[(what, a.dtype)] = launch.ScanLaunch(slot, a.dtype)
+        scan(a)
 
     def raise_pending(self) -> None:
         if not self._first_bad:

@@ -257,6 +257,36 @@ def scan_non_finite(x: Any, first_bad: Any) -> None:
         kernel(grid, (module.facts.threads,), (flat, np.int64(flat.size), first_bad))
 
 
+class ScanLaunch:
+    """scan_non_finite for arrays of one dtype into one counter, through a prepared launch
+    (a layer scans its activation on every call)."""
+
+    _X, _N = 0, 1
+
+    def __init__(self, first_bad: Any, dtype: Any) -> None:
+        check_array(first_bad, "first_bad", ("uint64",))
+        self.name = dtype_name(dtype)
+        if self.name not in DTYPES:
+            raise ValueError(f"x: expected a float array, got {self.name}")
+        self.module = kernels.module(device=int(first_bad.data.device_id))
+        self.device = self.module.device
+        kernel = self.module.function(f"scan_non_finite_{SUFFIX[self.name]}")
+        self.per_block = self.module.facts.scan_per_block(self.name)
+        self._launch = kernels.PreparedLaunch(
+            kernel, 1, self.module.facts.threads, (first_bad, np.int64(0), first_bad)
+        )
+
+    def __call__(self, x: Any) -> None:
+        if not _tokens_ok(x, (self.name,), self.device):
+            scan_non_finite(x, self._launch._arrays[0])  # the checked path (copies if needed)
+            return
+        n = x.size
+        if n:
+            self._launch.set(self._X, x.data.ptr)
+            self._launch.set(self._N, n)
+            self._launch(_grid(n, self.per_block)[0])
+
+
 def decode_scales(nested: NestedAbsmax, n: int, out: Any) -> None:
     """out[b] = the float32 scale of block b < n of a double-quantized tensor."""
     check_array(out, "out", ("float32",), n)
