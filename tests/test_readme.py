@@ -1,0 +1,65 @@
+"""The README's tour runs as written: its Python blocks in order in one namespace (the GPU block
+where CuPy sees a GPU), and its `nybble ...` command lines through the installed entry point."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CUDA
+
+README = Path(__file__).parent.parent / "README.md"
+BLOCK = re.compile(r"```(\w+)\n(.*?)```", re.DOTALL)
+
+
+def blocks(language: str) -> list[str]:
+    return [body for lang, body in BLOCK.findall(README.read_text()) if lang == language]
+
+
+def test_the_python_blocks_run_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    ran = 0
+    for body in blocks("python"):
+        if "import cupy" in body and not CUDA:
+            continue
+        exec(compile(body, f"README.md block {ran}", "exec"), namespace)
+        ran += 1
+    assert ran >= 2 + CUDA
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+
+
+def _nybble() -> str:
+    found = shutil.which("nybble") or str(Path(sys.executable).with_name("nybble"))
+    if not Path(found).exists():
+        pytest.skip("the nybble entry point is not installed")
+    return found
+
+
+def test_the_estimate_commands_run(tmp_path: Path) -> None:
+    lines = [
+        line.split("#", 1)[0].strip()
+        for body in blocks("bash")
+        for line in body.splitlines()
+        if line.startswith("nybble estimate")
+    ]
+    assert lines
+    for line in lines:
+        argv = shlex.split(line)
+        r = subprocess.run(
+            [_nybble(), *argv[1:]],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MPLBACKEND": "Agg"},
+        )
+        assert r.returncode == 0, f"{line}: {r.stderr}"
+        assert r.stdout.strip()
