@@ -4,7 +4,7 @@
     python benchmarks/codec_cpu.py [--shapes 4096x4096,14336x4096] [--repeat 7]
 
 Prints one JSON object per measurement, then a summary of the ratios the targets in
-../shared/BENCHMARKS.md ask for, and writes benchmarks/results/codec_cpu.json.
+docs/benchmarks.md ask for, and writes benchmarks/results/codec_cpu.json.
 """
 
 from __future__ import annotations

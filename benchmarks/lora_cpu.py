@@ -4,7 +4,7 @@ and the peak extra memory of the QLoRA forward.
     python benchmarks/lora_cpu.py [--tokens 2048] [--features 4096] [--rank 16]
 
 Prints one JSON object per measurement and a summary against the targets of
-../shared/BENCHMARKS.md, and writes benchmarks/results/lora_cpu.json.
+docs/benchmarks.md, and writes benchmarks/results/lora_cpu.json.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 H100 by tests/fixtures/make_bnb_fixtures.py --device cuda; no GPU needed here).
 
 bitsandbytes' CUDA quantizer differs from its CPU one, and from nybble, in documented ways
-(../research/bnb_facts.md §2, SPEC §1): it normalises with an approximate reciprocal
+(docs/bitsandbytes.md, "Where nybble and bitsandbytes differ"): it normalises with an approximate reciprocal
 (`rcp.approx`, up to 1 ulp off), four of its fifteen NF4 thresholds are decimal literals 1 ulp
 off the f32 midpoints, and an all-zero block gets code 0 instead of 7. It is built with
 --use_fast_math, so it also flushes subnormals to zero: subnormal inputs quantize as 0, a block

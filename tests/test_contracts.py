@@ -1,4 +1,4 @@
-"""The named contracts of ../shared/SPEC.md §1, one test each."""
+"""The named contracts of the codec (docs/contracts.md), one test each."""
 
 from __future__ import annotations
 
