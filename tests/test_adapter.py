@@ -420,3 +420,84 @@ def test_live_peft_loads_what_nybble_writes(tmp_path: Path, dora: bool) -> None:
         np.testing.assert_allclose(
             adapter.eval().forward_layer(name, x), want, rtol=1e-5, atol=1e-6
         )
+
+
+# --- PEFT's behaviour around loading (issue 19) -------------------------------------------------
+
+
+def _checkpoint_dir(path: Path, adapter: LoraAdapter) -> dict[str, np.ndarray]:
+    """A Hugging Face-shaped checkpoint directory holding the adapter's base weights."""
+    weights = {
+        f"{n}.weight": np.ascontiguousarray(layer.weight) for n, layer in adapter.layers.items()
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    nybble.safetensors_io.save(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return weights
+
+
+@pytest.mark.parametrize("layout", ["dense", "nybble", "bnb"])
+def test_from_pretrained_reads_the_base_from_a_checkpoint_directory(
+    tmp_path: Path, layout: str
+) -> None:
+    adapter = small_adapter()
+    adapter.save_pretrained(tmp_path / "adapter")
+    weights = _checkpoint_dir(tmp_path / "model", adapter)
+    base_dir = tmp_path / "model"
+    if layout != "dense":
+        from nybble.checkpoint import quantize_checkpoint
+
+        base_dir = tmp_path / f"model-{layout}"
+        quantize_checkpoint(tmp_path / "model", base_dir, layout=layout, targets=["*_proj"])
+    back = LoraAdapter.from_pretrained(tmp_path / "adapter", base_dir)
+    bases = {k: v if layout == "dense" else nybble.quantize(v) for k, v in weights.items()}
+    want = LoraAdapter.from_pretrained(tmp_path / "adapter", bases)
+    x = np.random.default_rng(3).standard_normal((2, 24)).astype(np.float32)
+    for name in adapter.layers:
+        got = back.forward_layer(name, x)
+        np.testing.assert_allclose(got, want.forward_layer(name, x), rtol=1e-5, atol=1e-6)
+        assert isinstance(back[name], nybble.QLoraLinear) == (layout != "dense")
+    with pytest.raises(FormatError) as e:
+        LoraAdapter.from_pretrained(tmp_path / "adapter", tmp_path / "adapter")
+    assert e.value.source == str(tmp_path / "adapter")
+
+
+def test_from_pretrained_is_in_eval_mode_unless_trainable(tmp_path: Path) -> None:
+    """As PEFT: a loaded adapter has no dropout unless it is loaded to be trained."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 24)).astype(np.float32)
+    adapter = LoraAdapter(LoraConfig(r=2, lora_dropout=0.5, target_modules=["q_proj"]))
+    adapter.add_layer("m.q_proj", w).set_lora_b(rng.standard_normal((16, 2)))
+    adapter.save_pretrained(tmp_path)
+    x = rng.standard_normal((4, 24)).astype(np.float32)
+    loaded = LoraAdapter.from_pretrained(tmp_path, {"m.q_proj": w})
+    np.testing.assert_array_equal(
+        loaded.forward_layer("m.q_proj", x), loaded.forward_layer("m.q_proj", x)
+    )
+    trainable = LoraAdapter.from_pretrained(tmp_path, {"m.q_proj": w}, is_trainable=True)
+    assert trainable["m.q_proj"].training
+
+
+def test_disable_unmerges_a_merged_layer_as_peft_does() -> None:
+    adapter = small_adapter()
+    layer = adapter["model.layers.0.self_attn.q_proj"]
+    x = np.random.default_rng(1).standard_normal((3, 24)).astype(np.float32)
+    plain = x @ np.asarray(layer.weight).T
+    layer.merge()
+    layer.disable()
+    assert not layer.merged
+    np.testing.assert_allclose(layer.forward(x), plain, rtol=1e-5, atol=1e-5)
+
+
+def test_all_linear_leaves_the_output_layer_alone() -> None:
+    config = LoraConfig(target_modules="all-linear")
+    assert config.targets("model.layers.3.mlp.down_proj") and not config.targets("lm_head")
+
+
+def test_reprs_say_what_a_layer_and_an_adapter_are() -> None:
+    adapter = small_adapter(dora=True, quantized=True)
+    assert "2 layers" not in repr(adapter) and "4 layers" in repr(adapter)
+    layer = adapter["model.layers.0.self_attn.q_proj"]
+    text = repr(layer)
+    assert text.startswith("QLoraLinear('model.layers.0.self_attn.q_proj'")
+    assert "r=4" in text and "use_dora" in text and "base=nf4/64" in text

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -224,13 +225,24 @@ class LoraAdapter:
     def from_pretrained(
         cls,
         directory: str | os.PathLike[str],
-        base: dict[str, Any],
-        bias: dict[str, Any] | None = None,
+        base: Mapping[str, Any] | str | os.PathLike[str],
+        bias: Mapping[str, Any] | None = None,
+        is_trainable: bool = False,
     ) -> LoraAdapter:
         """Reads an adapter written by PEFT (or by save_pretrained). `base` maps each module
-        path (with or without `.weight`) to the frozen weight: a dense array, or an
-        NF4Tensor for QLoRA. FormatError for anything malformed, naming file and field."""
-        d = Path(directory)
+        path (with or without `.weight`) to the frozen weight — a dense array, or an
+        NF4Tensor for QLoRA — or is a Hugging Face checkpoint directory (dense, or 4-bit in
+        nybble's or bitsandbytes' layout) whose weights are read for the adapter's modules.
+        As PEFT does, the adapter comes back in eval mode (no dropout) unless `is_trainable`.
+        FormatError for anything malformed, naming file and field."""
+        if isinstance(base, (str, os.PathLike)):
+            names = _module_names(Path(directory) / WEIGHTS_FILE)
+            base = _checkpoint_weights(Path(base), names)
+        adapter = cls._read(Path(directory), base, bias)
+        return adapter.train(is_trainable)
+
+    @classmethod
+    def _read(cls, d: Path, base: Mapping[str, Any], bias: Mapping[str, Any] | None) -> LoraAdapter:
         config_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
         config = LoraConfig.from_peft(config_path)
         raw = read_json(config_path)
@@ -257,6 +269,40 @@ class LoraAdapter:
             if layer_cfg.use_dora:
                 layer.set_lora_magnitude(parts["lora_magnitude_vector"])
         return adapter
+
+
+def _checkpoint_weights(path: Path, modules: list[str]) -> dict[str, Any]:
+    """The frozen weights of `modules` from a checkpoint directory: dense arrays, or
+    NF4Tensors where the checkpoint stores them 4-bit (nybble's or bitsandbytes' layout)."""
+    from ..checkpoint import Checkpoint, find_groups, load_group
+
+    with Checkpoint(path) as ckpt:
+        groups = find_groups(ckpt.names(), path)
+        out: dict[str, Any] = {}
+        for name in modules:
+            key = f"{name}.weight"
+            if key in groups:
+                out[name] = load_group(groups[key], ckpt.read, ckpt.file_of)
+            elif key in ckpt:
+                out[name] = np.array(ckpt.read(key), copy=True)
+            else:
+                raise FormatError(path, f"has no weight for the adapter's module {name!r}", key)
+    return out
+
+
+def _module_names(weights_path: Path) -> list[str]:
+    """The module paths an adapter file holds LoRA tensors for."""
+    with safetensors_io.SafeTensorsFile(weights_path) as f:
+        names = f.keys()
+    return sorted(
+        {
+            k[len(KEY_PREFIX) :].rsplit(".", 2)[0]
+            if k.endswith(".weight")
+            else k[len(KEY_PREFIX) :].rsplit(".", 1)[0]
+            for k in names
+            if k.startswith(KEY_PREFIX)
+        }
+    )
 
 
 def _save_new_directory(

@@ -186,8 +186,8 @@ class LoraConfig:
         linear" takes every one; a single string is a regular expression matched against the
         whole path; a list names leaves or dotted suffixes of the path."""
         t = self.target_modules
-        if t == "all-linear":
-            return True
+        if t == "all-linear":  # as PEFT: every linear layer but the output layer
+            return name.rsplit(".", 1)[-1] != "lm_head"
         if isinstance(t, str):
             return re.fullmatch(t, name) is not None
         return any(name == m or name.endswith("." + m) for m in t)

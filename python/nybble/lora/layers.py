@@ -276,8 +276,39 @@ class _LoraLayer:
         self.enabled = True
 
     def disable(self) -> None:
-        """Forward as the plain base layer (an unmerged adapter is simply skipped)."""
+        """Forward as the plain base layer: a merged adapter is unmerged first (as PEFT
+        does), an unmerged one is simply skipped."""
+        if self.merged:
+            self.unmerge()
         self.enabled = False
+
+    def unmerge(self) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        c = self.config
+        extras = [f"r={c.r}", f"lora_alpha={c.alpha:g}", f"scaling={self.scaling:g}"]
+        if c.dropout:
+            extras.append(f"lora_dropout={c.dropout:g}")
+        extras += [flag for flag in ("use_dora", "use_rslora") if getattr(c, flag)]
+        state = [
+            s
+            for s, on in (
+                ("merged", self.merged),
+                ("disabled", not self.enabled),
+                ("eval", not self.training),
+            )
+            if on
+        ]
+        name = f"{self.name!r}, " if self.name else ""
+        return (
+            f"{type(self).__name__}({name}in={self.in_features}, out={self.out_features}, "
+            f"{', '.join(extras)}, {self._base_repr()}, device={self.device!r}"
+            f"{', ' + ', '.join(state) if state else ''})"
+        )
+
+    def _base_repr(self) -> str:
+        return "bias" if self.bias is not None else "no bias"
 
     def check(self) -> None:
         """NonFiniteError if an activation or gradient given to this layer since the last
@@ -550,6 +581,11 @@ class QLoraLinear(_LoraLayer):
     def memory_saved_bytes(self) -> int:
         """Bytes of a float32 base weight minus bytes of the quantized one."""
         return 4 * self.in_features * self.out_features - self.qweight.nbytes
+
+    def _base_repr(self) -> str:
+        q = self.qweight
+        dq = "+dq" if q.double_quant else ""
+        return f"base={q.codebook}{dq}/{q.blocksize}, {super()._base_repr()}"
 
     def merge(self) -> None:
         raise ValueError(
