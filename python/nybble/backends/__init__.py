@@ -31,8 +31,11 @@ class FiniteCheck(Protocol):
     wait, and `raise_pending` (called where a wait happens anyway, or by the user) raises for
     what was recorded since the last call."""
 
-    def record(self, a: Any, what: str) -> None:
-        """NonFiniteError (now or at the next `raise_pending`) if `a` holds NaN or ±inf."""
+    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+        """NonFiniteError (now or at the next `raise_pending`) if `a` holds NaN or ±inf. With
+        `row_stride`, `a` stands for another array whose rows it summarises (a product of
+        them, non-finite in every row where they are): the error names the flat index of the
+        first element of that row in the other array, whose rows are `row_stride` long."""
         ...
 
     def raise_pending(self) -> None:

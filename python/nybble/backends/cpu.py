@@ -225,9 +225,11 @@ def _matrix_shape(w: Packed) -> tuple[int, int]:
 class ImmediateFiniteCheck:
     """On the CPU a check costs no wait: a non-finite value raises where it is recorded."""
 
-    def record(self, a: Any, what: str) -> None:
+    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
         bad = BACKEND.first_non_finite(a)
         if bad is not None:
+            if row_stride is not None:
+                bad = bad // max(int(a.shape[-1]), 1) * row_stride
             raise NonFiniteError(bad, what)
 
     def raise_pending(self) -> None:

@@ -322,10 +322,11 @@ class _LoraLayer:
         return self._base.row_norms(self.lora_b, self.lora_a, self.scaling)
 
     def _activation(
-        self, x: Any, what: str, width: int
+        self, x: Any, what: str, width: int, scan: bool = True
     ) -> tuple[Any, OutputDtype, tuple[int, ...]]:
         """x as a 2-D array of the compute dtype, the dtype to return results in, and x's
-        leading shape."""
+        leading shape; checked for non-finite values (unless `scan` is False, for a caller
+        that checks a product of it instead: see _record_rows)."""
         backend = self._base.backend
         source = backends.of(x)
         if source.device != backend.device:
@@ -339,8 +340,19 @@ class _LoraLayer:
         lead = tuple(a.shape[:-1])
         with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, found next
             a = backend.xp.ascontiguousarray(a.reshape(-1, width), dtype=compute)
-        self._finite.record(a, what)
+        if scan or backend.device == "cpu":
+            self._finite.record(a, what)
         return a, out, lead
+
+    def _record_rows(self, product: Any, a: Any, what: str) -> None:
+        """On the GPU, the non-finite check of an activation `a` [m, width] through its
+        product with a LoRA matrix ([m, r]): a NaN or ±inf anywhere in a row of `a` makes
+        that whole row of the product NaN or ±inf (inf·0 is NaN), so scanning the product,
+        r values a row, finds every row the full scan would, without another pass over `a`.
+        The error then names the first element of the first such row. (The CPU scans `a`
+        itself, at once, where the scan costs no wait.)"""
+        if self._base.backend.device != "cpu":
+            self._finite.record(product, what, row_stride=int(a.shape[-1]))
 
     def _result(
         self, y: Any, dtype: OutputDtype, shape: tuple[int, ...], out: Any, what: str
@@ -376,10 +388,11 @@ class _LoraLayer:
     def forward(self, x: Any, out: Any = None) -> Any:
         """y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias) for x of shape [in] or [..., in], in x's
         dtype (float32 for float64); written into `out` when given."""
-        x2, out_dtype, lead = self._activation(x, "x", self.in_features)
+        active = self.enabled and not self.merged
+        x2, out_dtype, lead = self._activation(x, "x", self.in_features, scan=not active)
         backend = self._base.backend
-        cache: dict[str, Any] = {"lead": lead, "active": False}
-        if not (self.enabled and not self.merged):
+        cache: dict[str, Any] = {"lead": lead, "active": active}
+        if not active:
             y = self._base.forward(x2)
         else:
             # The parameters in the compute dtype, cast once for this forward and its backward.
@@ -388,7 +401,8 @@ class _LoraLayer:
             keep = self._keep_mask(tuple(x2.shape), x2.dtype)
             xd = x2 if keep is None else x2 * keep
             h = backend.matmul(xd, a.T)  # [m, r]
-            cache.update(active=True, xd=xd, h=h, keep=keep, a=a, b=b)
+            self._record_rows(h, x2, "x")
+            cache.update(xd=xd, h=h, keep=keep, a=a, b=b)
             if self.lora_magnitude is None:
                 # s·h·Bᵀ first, then the base product adds itself to it inside its GEMM.
                 y = backend.matmul(h, b.T, alpha=self.scaling)
@@ -422,7 +436,9 @@ class _LoraLayer:
         shape = tuple(getattr(grad_y, "shape", np.shape(grad_y)))
         if shape != out_shape:
             raise ValueError(f"grad_y must have shape {out_shape}, got {shape}")
-        dy, gx_dtype, _ = self._activation(grad_y, "grad_y", self.out_features)
+        dy, gx_dtype, _ = self._activation(
+            grad_y, "grad_y", self.out_features, scan=not c["active"]
+        )
         calls = self._calls
         in_shape = (*c["lead"], self.in_features)
         if not c["active"]:
@@ -442,6 +458,7 @@ class _LoraLayer:
             dyg = dy * g
         calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
         gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
+        self._record_rows(gh, dy, "grad_y")
         calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
         dx = backend.matmul(gh, a)  # the LoRA branch's part of dL/dx, [m, in]
         if keep is not None:

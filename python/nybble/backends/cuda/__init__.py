@@ -233,8 +233,12 @@ class DeviceFiniteCheck:
     def __init__(self) -> None:
         self._first_bad: dict[str, Any] = {}  # what -> uint64[1] on the device
         self._scans: dict[tuple[str, Any], launch.ScanLaunch] = {}
+        #: what -> (row length of the scanned array, row length of the array it stands for)
+        self._rows: dict[str, tuple[int, int]] = {}
 
-    def record(self, a: Any, what: str) -> None:
+    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+        if row_stride is not None:
+            self._rows[what] = (max(int(a.shape[-1]), 1), row_stride)
         scan = self._scans.get((what, a.dtype))
         if scan is None:
             slot = self._first_bad.get(what)
@@ -252,7 +256,8 @@ class DeviceFiniteCheck:
             slot.fill(np.uint64(launch.NO_INDEX))
         for name, index in zip(names, found.tolist(), strict=True):
             if index != launch.NO_INDEX:
-                raise NonFiniteError(int(index), name)
+                width, stride = self._rows.get(name, (1, 1))
+                raise NonFiniteError(int(index) // width * stride, name)
 
 
 class Prepared:
