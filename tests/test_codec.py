@@ -229,3 +229,15 @@ def test_blocks36_layout_is_absmax_then_codes() -> None:
     buf = q.to_blocks()
     assert buf[:4].view("<f4")[0] == np.float32(3.0)
     np.testing.assert_array_equal(buf[4:], q.codes)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_either_byte_order_gives_the_same_tensor(dtype: str) -> None:
+    """A big-endian array is read for its values, not for its bytes."""
+    x = np.random.default_rng(7).standard_normal((8, 96)).astype(dtype)
+    swapped = x.astype(x.dtype.newbyteorder(">"))
+    assert not swapped.dtype.isnative
+    a, b = nybble.quantize(x), nybble.quantize(swapped)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.absmax, b.absmax)
+    assert nybble.quantize(np.full(64, 0.5, ">f2")).dequantize()[0] == 0.5
