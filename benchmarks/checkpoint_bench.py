@@ -201,6 +201,16 @@ def read_speed(directory: Path) -> dict[str, float]:
 # --- measurements, each in a fresh process ------------------------------------------------------
 
 
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM): unlike getrusage's ru_maxrss, which a
+    child inherits from the parent it was forked from, it starts afresh at exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(args: argparse.Namespace) -> None:
     """One measurement: runs a tool in this process and prints its report with this
     process's peak RSS."""
@@ -234,8 +244,7 @@ def child(args: argparse.Namespace) -> None:
         extra = {"load_seconds": loaded, "gpu_peak_bytes": torch.cuda.max_memory_allocated()}
         report = None
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"seconds": seconds, "peak_rss_bytes": peak, **extra}
+    out = {"seconds": seconds, "peak_rss_bytes": peak_rss(), **extra}
     if report is not None:
         out.update(report=report.summary())
     print(json.dumps(out))
@@ -376,7 +385,7 @@ def main() -> None:
             gpu = next(r for r in runs if r["name"] == "quantize bnb nf4 (cuda)")
             summary["transformers_seconds_over_nybble_cuda"] = t_run["seconds"] / gpu["seconds"]
     payload = {
-        "machine": machine(),
+        "machine": {**machine(), "load_average": os.getloadavg()},
         "checkpoint": {**ckpt, "adapter_bytes": adapter_bytes, "shape": SHAPE},
         "disk_read": [disk, disk_after],
         "runs": runs,
