@@ -17,15 +17,21 @@ EXIT_CODES = "exit codes: 0 done, 1 bad input (one line on stderr), 2 usage."
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after every option's help; description and epilog kept as written."""
+    """Defaults after options' help (not for flags and options without one); description and
+    epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-shard-size",
-        default="5GB",
-        help=f"largest output shard, as transformers' save_pretrained (default "
-        f"{DEFAULT_MAX_SHARD_SIZE // 10**9}GB, decimal; 500MB, 2GiB, or bytes)",
+        default=f"{DEFAULT_MAX_SHARD_SIZE // 10**9}GB",
+        help="largest output shard, as transformers' save_pretrained shards (GB are "
+        "decimal; also MB, GiB, MiB, or bytes)",
     )
     p.add_argument(
         "--device",

@@ -50,7 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=["nybble", "bnb"],
         help="output layout: nybble's, or bitsandbytes/transformers 4-bit (nf4, fp4)",
     )
-    p.add_argument("--codebook", default="nf4", choices=["nf4", "fp4", "int8"])
+    p.add_argument(
+        "--codebook",
+        default="nf4",
+        choices=["nf4", "fp4", "int8"],
+        help="the code table (docs/formats.md); int8 only in nybble's layout",
+    )
     p.add_argument(
         "--blocksize", type=int, default=64, help="elements per scale (power of two, 32..4096)"
     )
@@ -68,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--compute-dtype",
         default=None,
-        help="--format bnb: bnb_4bit_compute_dtype (default: the checkpoint's dtype)",
+        help="--format bnb: bnb_4bit_compute_dtype (by default the checkpoint's dtype)",
     )
     _cli.add_output_options(p)
     p.set_defaults(func=run)
