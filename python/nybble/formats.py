@@ -160,6 +160,7 @@ def float_dtype(dtype: object, what: str = "x") -> FloatDtype:
     raise ValueError(f"{what} has dtype {name}; expected one of {', '.join(FLOAT_DTYPES)}")
 
 
+@functools.cache
 def numpy_dtype(name: str) -> np.dtype[Any]:
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 

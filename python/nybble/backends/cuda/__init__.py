@@ -102,7 +102,7 @@ class CudaBackend:
                 f"out: expected a C-contiguous {dtype} CuPy array of {q.size} elements, got "
                 f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}"
             )
-        self.dequantize_into(q, 0, out.reshape(-1))
+        self.dequantize_into(q, 0, out)  # C-contiguous: the kernel sees it flat already
         return out
 
     def dequantize_into(self, q: Packed, start: int, out: Any) -> None:
