@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -100,7 +101,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[
 
 
 def remove_stale_temporaries(directory: Path, targets: Iterable[str]) -> None:
-    """Removes the temporaries of `targets` in `directory` whose writing process is gone."""
+    """Removes the temporaries of `targets` in `directory` (files, or staging directories
+    named the same way) whose writing process is gone."""
     wanted = set(targets)
     try:
         entries = list(os.scandir(directory))
@@ -110,8 +112,11 @@ def remove_stale_temporaries(directory: Path, targets: Iterable[str]) -> None:
         m = _TEMPORARY.match(entry.name)
         if m is None or m["target"] not in wanted or _alive(int(m["pid"])):
             continue
-        with contextlib.suppress(OSError):
-            os.unlink(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def _alive(pid: int) -> bool:

@@ -38,10 +38,14 @@ SOURCE = "bitsandbytes state"
 MAX_QUANT_STATE_BYTES = 1 << 16
 
 
+#: Every byte with its nibbles swapped: one table lookup a byte.
+_SWAPPED = ((np.arange(256) >> 4) | (np.arange(256) << 4)).astype(np.uint8)
+
+
 def swap_nibbles(codes: np.ndarray) -> np.ndarray:
     """bitsandbytes packs element 2k in the high nibble, nybble in the low one: converting
     either way swaps the two nibbles of every byte."""
-    return ((codes >> 4) | (codes << 4)).astype(np.uint8)
+    return _SWAPPED[np.asarray(codes, np.uint8)]
 
 
 def quantize_4bit(

@@ -187,6 +187,17 @@ class NF4Tensor:
         packed = Packed(codes, absmax, None, dims, formats.BLOCK36_VALUES, cb)
         return cls._trusted(packed, "float32")
 
+    def with_plain_scales(self) -> NF4Tensor:
+        """This tensor with plain float32 scales: double-quantized ones decoded once (itself
+        when they are plain). Decoded scales of an all-zero block can fall a hair below
+        zero, which the constructor refuses from a user; here they come from a checked
+        tensor and are kept as decoded."""
+        p = self._packed
+        if p.nested is None:
+            return self
+        plain = Packed(p.codes, self.absmax, None, p.shape, p.blocksize, p.codebook)
+        return NF4Tensor._trusted(plain, self.orig_dtype)
+
     def cpu(self) -> NF4Tensor:
         """This tensor with its arrays on the host (itself when they are)."""
         return self._moved(backends.get("cpu"))

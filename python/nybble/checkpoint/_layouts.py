@@ -306,9 +306,7 @@ def element_range(q: NF4Tensor, start: int, stop: int, shape: tuple[int, ...]) -
 
 def plain(q: NF4Tensor) -> NF4Tensor:
     """The same tensor with plain float32 scales (double-quantized ones decoded once)."""
-    if q.nested is None:
-        return q
-    return _made_from(q, Packed(q.codes, q.absmax, None, q.shape, q.blocksize, q.codebook))
+    return q.with_plain_scales()
 
 
 def _made_from(q: NF4Tensor, packed: Packed) -> NF4Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .._files import _TEMPORARY, _alive, new_directory_mode, replace_file, write_temporary
+from .._files import new_directory_mode, remove_stale_temporaries, replace_file, write_temporary
 from ..errors import FormatError
 from ..safetensors_io import Entry, StreamWriter
 from ._source import INDEX_FILE, SINGLE_FILE
@@ -172,14 +172,7 @@ def _remove(path: Path) -> None:
 def remove_stale(parent: Path, name: str) -> None:
     """Removes the staging directories (and temporaries) of `name` in `parent` whose writing
     process is gone (killed runs)."""
-    try:
-        found = list(os.scandir(parent))
-    except OSError:
-        return
-    for entry in found:
-        m = _TEMPORARY.match(entry.name)
-        if m is not None and m["target"] == name and not _alive(int(m["pid"])):
-            _remove(Path(entry.path))
+    remove_stale_temporaries(parent, (name,))
 
 
 # --- sharding ------------------------------------------------------------------------------------

@@ -15,11 +15,10 @@ import numpy as np
 from .. import formats
 from ..errors import FormatError, NonFiniteError
 from ..formats import OutputDtype
-from ..lora.adapter import KEY_PREFIX, WEIGHTS_FILE, _check_pair, _check_parts, _group_by_module
-from ..lora.config import CONFIG_FILE as ADAPTER_CONFIG
+from ..lora.adapter import KEY_PREFIX, read_adapter
 from ..lora.config import LoraConfig
 from ..lora.layers import LoraLinear, QLoraLinear
-from ..safetensors_io import Entry, SafeTensorsFile
+from ..safetensors_io import Entry
 from ..tensor import NF4Tensor
 from . import _layouts
 from ._common import (
@@ -53,20 +52,8 @@ class Adapter:
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Adapter:
-        d = Path(directory)
-        config_path, weights_path = d / ADAPTER_CONFIG, d / WEIGHTS_FILE
-        config = LoraConfig.from_peft(config_path)
-        if not weights_path.exists():
-            raise FormatError(weights_path, "not found")
-        with SafeTensorsFile(weights_path) as f:
-            _check_pair(f.metadata, config_path, weights_path)
-            tensors = {k: f.get(k) for k in f.keys()}
-        modules = _group_by_module(tensors, weights_path)
-        if not modules:
-            raise FormatError(weights_path, "holds no LoRA tensors")
-        for name, parts in modules.items():
-            _check_parts(parts, config.for_module(name), name, weights_path)
-        return cls(config, weights_path, modules)
+        files = read_adapter(directory)
+        return cls(files.config, files.weights_path, files.modules)
 
     def key(self, module: str, part: str = "lora_A.weight") -> str:
         return f"{KEY_PREFIX}{module}.{part}"

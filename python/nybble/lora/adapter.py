@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -235,40 +236,56 @@ class LoraAdapter:
         nybble's or bitsandbytes' layout) whose weights are read for the adapter's modules.
         As PEFT does, the adapter comes back in eval mode (no dropout) unless `is_trainable`.
         FormatError for anything malformed, naming file and field."""
+        files = read_adapter(directory)
         if isinstance(base, (str, os.PathLike)):
-            names = _module_names(Path(directory) / WEIGHTS_FILE)
-            base = _checkpoint_weights(Path(base), names)
-        adapter = cls._read(Path(directory), base, bias)
-        return adapter.train(is_trainable)
-
-    @classmethod
-    def _read(cls, d: Path, base: Mapping[str, Any], bias: Mapping[str, Any] | None) -> LoraAdapter:
-        config_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
-        config = LoraConfig.from_peft(config_path)
-        raw = read_json(config_path)
-        with safetensors_io.SafeTensorsFile(weights_path) as f:
-            _check_pair(f.metadata, config_path, weights_path)
-            tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
-        modules = _group_by_module(tensors, weights_path)
-        if not modules:
-            raise FormatError(weights_path, "holds no LoRA tensors")
+            base = _checkpoint_weights(Path(base), sorted(files.modules))
         bases = {module_name(k): v for k, v in base.items()}
         biases = {module_name(k.removesuffix(".bias")): v for k, v in (bias or {}).items()}
-        name_or_path = raw.get("base_model_name_or_path")
-        adapter = cls(config, name_or_path if isinstance(name_or_path, str) else None)
-        for name, parts in sorted(modules.items()):
+        name_or_path = files.raw.get("base_model_name_or_path")
+        adapter = cls(files.config, name_or_path if isinstance(name_or_path, str) else None)
+        for name, parts in sorted(files.modules.items()):
             if name not in bases:
                 raise KeyError(
                     f"the adapter has a layer {name!r} but base has no {name + '.weight'!r}"
                 )
-            layer_cfg = config.for_module(name)
-            _check_parts(parts, layer_cfg, name, weights_path)
+            layer_cfg = files.config.for_module(name)
             layer = adapter.add_layer(name, bases[name], biases.get(name), layer_cfg)
             layer.set_lora_a(parts["lora_A.weight"])
             layer.set_lora_b(parts["lora_B.weight"])
             if layer_cfg.use_dora:
                 layer.set_lora_magnitude(parts["lora_magnitude_vector"])
-        return adapter
+        return adapter.train(is_trainable)
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """A PEFT adapter directory as read and checked: the config (and its raw JSON), the
+    weights file, and each module's tensors by PEFT suffix (`lora_A.weight`, ...)."""
+
+    config: LoraConfig
+    raw: dict[str, Any]
+    weights_path: Path
+    modules: dict[str, dict[str, np.ndarray]]
+
+
+def read_adapter(directory: str | os.PathLike[str]) -> AdapterFiles:
+    """Reads an adapter directory written by PEFT or nybble, checking everything a loader
+    relies on: the config field by field, that the weights belong with it (when they record
+    their config), that every module has lora_A and lora_B (and the DoRA magnitude) of the
+    configured rank. FormatError naming the file and field otherwise."""
+    d = Path(directory)
+    config_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    config = LoraConfig.from_peft(config_path)
+    raw = read_json(config_path)
+    with safetensors_io.SafeTensorsFile(weights_path) as f:
+        _check_pair(f.metadata, config_path, weights_path)
+        tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
+    modules = _group_by_module(tensors, weights_path)
+    if not modules:
+        raise FormatError(weights_path, "holds no LoRA tensors")
+    for name, parts in modules.items():
+        _check_parts(parts, config.for_module(name), name, weights_path)
+    return AdapterFiles(config, raw, weights_path, modules)
 
 
 def _checkpoint_weights(path: Path, modules: list[str]) -> dict[str, Any]:
@@ -288,21 +305,6 @@ def _checkpoint_weights(path: Path, modules: list[str]) -> dict[str, Any]:
             else:
                 raise FormatError(path, f"has no weight for the adapter's module {name!r}", key)
     return out
-
-
-def _module_names(weights_path: Path) -> list[str]:
-    """The module paths an adapter file holds LoRA tensors for."""
-    with safetensors_io.SafeTensorsFile(weights_path) as f:
-        names = f.keys()
-    return sorted(
-        {
-            k[len(KEY_PREFIX) :].rsplit(".", 2)[0]
-            if k.endswith(".weight")
-            else k[len(KEY_PREFIX) :].rsplit(".", 1)[0]
-            for k in names
-            if k.startswith(KEY_PREFIX)
-        }
-    )
 
 
 def _save_new_directory(

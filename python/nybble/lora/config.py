@@ -320,7 +320,9 @@ def _either(name: str, value: Any, peft_name: str, peft_value: Any, default: Any
 def _peft_init(value: bool | str | None) -> str | None:
     if value is None:
         return None
-    if value is True:
+    if value is True or value is False:
+        # False is PEFT's random init that is not a no-op at start (B random too): for an
+        # adapter read from files its init is past; a new one gets nybble's default.
         return "kaiming"
     if value == "gaussian":
         return "gaussian"
