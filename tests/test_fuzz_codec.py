@@ -124,12 +124,12 @@ def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
         return base[::2].reshape(a.shape)
     if layout == "negative" and a.ndim >= 1:
         return np.ascontiguousarray(a[::-1])[::-1]
-    if layout == "unaligned" and a.dtype.itemsize > 1:
+    if layout == "unaligned" and a.dtype.itemsize > 1 and a.dtype.kind != "O":
         raw = np.zeros(a.nbytes + 1, np.uint8)
         view = raw[1:].view(a.dtype).reshape(a.shape)
         view[...] = a
         return view
-    if layout == "swapped" and a.dtype.itemsize > 1 and a.dtype != object:
+    if layout == "swapped" and a.dtype.itemsize > 1 and a.dtype.kind != "O":
         return a.astype(a.dtype.newbyteorder("S"))
     if layout == "readonly":
         b = a.copy()
@@ -255,13 +255,15 @@ def out_arrays(draw: st.DrawFn, size: int, dtype: str) -> tuple[Any, bool]:
     if kind == "size":
         return np.empty(size + draw(st.sampled_from([-1, 1, 64])) if size else 1, want), False
     if kind == "strided":
-        return np.empty(2 * size, want)[::2], size <= 1
+        a = np.empty(2 * size, want)[::2]
+        return a, a.flags.c_contiguous  # one element: contiguous all the same
     if kind == "readonly":
         a = np.empty(size, want)
         a.flags.writeable = False
         return a, False
     if kind == "fortran" and size % 2 == 0 and size:
-        return np.empty((2, size // 2), want, order="F"), False
+        a = np.empty((2, size // 2), want, order="F")
+        return a, a.flags.c_contiguous  # (2, 1) is both
     return [0.0] * size, False
 
 
@@ -393,8 +395,7 @@ def constructor_arguments(draw: st.DrawFn) -> dict[str, Any]:
         nested=q.nested,
         orig_dtype="float32",
     )
-    for _ in range(draw(st.integers(0, 2))):
-        key = draw(st.sampled_from(list(args)))
+    for key in draw(st.lists(st.sampled_from(list(args)), max_size=2, unique=True)):
         value = args[key]
         if key in ("codes", "absmax") and value is not None:
             args[key] = draw(spoiled_array(value))
@@ -454,9 +455,10 @@ def spoiled_array(draw: st.DrawFn, a: np.ndarray) -> Any:
         b = a.copy()
         index = draw(st.integers(0, a.size - 1))
         if b.dtype.kind == "f":
-            b[index] = draw(st.sampled_from([np.nan, np.inf, -np.inf, -1.0, -0.0, 1e-45, 3e38]))
+            value = draw(st.sampled_from([np.nan, np.inf, -np.inf, -1.0, -0.0, 1e-45, 3e38]))
+            b.reshape(-1)[index] = value
         else:
-            b[index] = draw(st.integers(0, 255))
+            b.reshape(-1)[index] = draw(st.integers(0, 255))
         return b
     if kind == "strided":
         return np.repeat(a, 2)[::2]
@@ -500,11 +502,11 @@ def _constructor_valid(args: dict[str, Any]) -> tuple[bool, str]:
     ok = ok and a2.dtype.newbyteorder("=") == np.float32 and a2.shape == (-(-nblocks // 256),)
     if not ok or not np.all(np.isfinite(a2) & (a2 >= 0)):
         return False, "nested"
-    if (
-        not isinstance(offset, (int, float))
-        or isinstance(offset, bool)
-        or not math.isfinite(offset)
-    ):
+    try:  # a number, or what float() reads as one
+        offset = float(offset)
+    except (TypeError, ValueError):
+        return False, "nested offset"
+    if not math.isfinite(offset):
         return False, "nested offset"
     if not abs(offset) <= np.finfo(np.float32).max:
         return False, "nested offset beyond float32"
@@ -527,12 +529,21 @@ def test_the_constructor_checks_what_it_is_given(args: dict[str, Any]) -> None:
         nested = args["nested"]
         with np.errstate(all="ignore"):
             absmax = reference.double_dequantize(
-                np.asarray(nested.codes), np.asarray(nested.absmax2, np.float32), nested.offset
+                np.asarray(nested.codes),
+                np.asarray(nested.absmax2, np.float32),
+                float(nested.offset),
             )
         assert np.all(np.isfinite(absmax)), "accepted nested scales that decode to inf/NaN"
     else:
         absmax = np.asarray(args["absmax"], np.float32)
     got, error = attempt("dequantize", q.dequantize)
+    arrays = [args["codes"], args["absmax"]]
+    if args["nested"] is not None:
+        arrays += [args["nested"].codes, args["nested"].absmax2]
+    strided = any(not np.asarray(a).flags.c_contiguous for a in arrays if a is not None)
+    if type(error) is ValueError and strided:
+        known_bug("dequantize", error, "strided arrays accepted, then refused")
+        return
     assert error is None, f"dequantize refused an accepted tensor: {error!r}"
     codes = np.asarray(args["codes"])
     assert same_bits(
@@ -581,3 +592,17 @@ def test_a_nested_offset_beyond_float32_is_refused_at_once() -> None:
     nested = NestedAbsmax(q.nested.codes, q.nested.absmax2, 1e308)
     with pytest.raises(ValueError):
         NF4Tensor(q.codes, None, q.shape, nested=nested)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: the NF4Tensor constructor accepts non-contiguous codes or absmax (a strided "
+    "view); dequantize then refuses them ('codes must be C-contiguous and aligned')",
+)
+@pytest.mark.parametrize("which", ["codes", "absmax"])
+def test_a_strided_array_given_to_the_constructor_dequantizes(which: str) -> None:
+    q = nybble.quantize(np.linspace(-1, 1, 256, dtype=np.float32))
+    arrays = {"codes": q.codes, "absmax": q.absmax}
+    arrays[which] = np.repeat(arrays[which], 2)[::2]
+    t = NF4Tensor(arrays["codes"], arrays["absmax"], q.shape)
+    assert same_bits(t.dequantize(), q.dequantize())
