@@ -1,6 +1,8 @@
 """SIGKILL at every point of every writer (docs/testing.md): LoraAdapter.save_pretrained (over
 an existing adapter and into a new directory), safetensors_io.save, `nybble estimate --plot`,
-Trainer.save_checkpoint and Trainer.save_model.
+Trainer.save_checkpoint, Trainer.save_model, and `nybble train`'s outputs (checkpoint, losses,
+config, adapter; its loss plot is written as --plot's is). The checkpoint tools
+(nybble.checkpoint) have kill tests of their own (tests/test_checkpoint_cli.py).
 
 A driver process (this module run with `python -c`, see `serve`) imports nybble once and forks
 a child for each run of a writer. The child counts the filesystem operations it makes under the
@@ -22,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -152,6 +155,23 @@ def writers(name: str, workdir: Path) -> dict[str, Callable[[], None]]:
             v: (lambda t=t: t.save_model(workdir / "model"))
             for v, t in _trainers(lora=False).items()
         }
+    if name == "train":
+        from nybble.cli import main
+
+        def train(steps: str, *more: str) -> None:
+            args = [
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "8",
+                "--no-plot",
+                "--out",
+                str(workdir / "run"),
+            ]
+            assert main(["train", "--steps", steps, *args, *more]) == 0
+
+        # A run of one step, then the same run resumed to two: every output rewritten.
+        return {"old": lambda: train("1"), "new": lambda: train("2", "--resume")}
     raise KeyError(name)
 
 
@@ -328,13 +348,23 @@ TARGETS = {
     "estimate-plot": Target(("out.png",)),
     "checkpoint": Target(("checkpoint.safetensors",)),
     "model": Target(("model/model.safetensors", "model/config.json"), ("model",)),
+    "train": Target(
+        (
+            "run/checkpoint.safetensors",
+            "run/losses.json",
+            "run/config.json",
+            "run/adapter/adapter_config.json",
+            "run/adapter/adapter_model.safetensors",
+        ),
+        ("run", "run/adapter"),
+    ),
 }
 
 
 def check_adapter(workdir: Path, versions: dict[str, str]) -> None:
     """The adapter directory loads as the version all its files come from, or is refused
     when they come from two saves."""
-    kinds = set(versions.values())
+    kinds = set(versions.values()) - {"same"}
     if kinds == {"absent"}:
         return
     assert "absent" not in kinds, f"an adapter directory with files missing: {versions}"
@@ -350,14 +380,33 @@ def check_adapter(workdir: Path, versions: dict[str, str]) -> None:
         assert np.array_equal(loaded[name].lora_b, layer.lora_b)
 
 
+def comparable(path: str, data: bytes | None) -> bytes | None:
+    """A file's content as compared between runs: the losses without the run's speed; a
+    safetensors header with its metadata sorted (the library writes its metadata map in the
+    order of a Rust HashMap, which differs from process to process)."""
+    if data is None:
+        return None
+    if path.endswith("losses.json"):
+        record = json.loads(data)
+        record.pop("tokens_per_s")
+        return json.dumps(record, sort_keys=True).encode()
+    if path.endswith(".safetensors") and len(data) >= 8:
+        (n,) = struct.unpack("<Q", data[:8])
+        with contextlib.suppress(ValueError):  # a torn header stays as it is, and differs
+            header = json.loads(data[8 : 8 + n])
+            return json.dumps(header, sort_keys=True).encode() + data[8 + n :]
+    return data
+
+
 def versions_of(state: State, old: State, new: State) -> dict[str, str]:
-    """Which version each file is: "old", "new" or "absent" (where that version has none); a
-    file that is neither fails."""
+    """Which version each file is: "old", "new", "same" (both versions wrote these bytes) or
+    "absent" (where the old version has none); a file that is neither fails."""
     out = {}
     for f, data in state.items():
-        if data == new[f]:
-            out[f] = "new"
-        elif data == old[f]:
+        now, before, after = comparable(f, data), comparable(f, old[f]), comparable(f, new[f])
+        if now == after:
+            out[f] = "same" if now == before else "new"
+        elif now == before:
             out[f] = "old" if data is not None else "absent"
         else:
             size = "missing" if data is None else f"{len(data)} bytes"
@@ -377,6 +426,7 @@ WRITERS = {
     "estimate-plot": False,
     "checkpoint": True,
     "model": False,
+    "train": False,
 }
 
 
@@ -406,7 +456,10 @@ def test_a_killed_writer_leaves_the_old_or_the_new_content(name: str, tmp_path: 
             reply = d.run("new", **run)
             kills += reply["killed"]
             assert reply["killed"] or "kill_after" in run, f"not killed at operation {run}"
-            state = versions_of(target.snapshot(tmp_path), old, new)
+            try:
+                state = versions_of(target.snapshot(tmp_path), old, new)
+            except AssertionError as e:
+                raise AssertionError(f"after the run {run}: {e}") from None
             seen["+".join(sorted(set(state.values())))] += 1
             if name.startswith("adapter"):
                 check_adapter(tmp_path, state)
@@ -419,7 +472,7 @@ def test_a_killed_writer_leaves_the_old_or_the_new_content(name: str, tmp_path: 
         assert target.strays(tmp_path), "the killed run left nothing to sweep"
         reply = d.run("new")
         assert not reply["killed"]
-        assert target.snapshot(tmp_path) == new
+        assert set(versions_of(target.snapshot(tmp_path), old, new).values()) <= {"new", "same"}
         if WRITERS[name]:
             assert target.strays(tmp_path) == [], "temporaries of a killed run left after a save"
 
@@ -449,6 +502,14 @@ def test_a_killed_writer_leaves_the_old_or_the_new_content(name: str, tmp_path: 
                 strict=True,
                 reason="bug: nybble estimate --plot never sweeps the temporaries of killed runs "
                 "(cli/estimate.py atomic_write without remove_stale_temporaries)",
+            ),
+        ),
+        pytest.param(
+            "train",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="bug: nybble train sweeps checkpoint, losses and plot temporaries but "
+                "not config.json's (cli/train.py remove_stale_temporaries lists no CONFIG)",
             ),
         ),
         pytest.param(
