@@ -145,15 +145,17 @@ def problem_with(error: BaseException, allowed: Sequence[type[BaseException]]) -
     kind = type(error)
     if kind not in allowed:
         return f"internal error type {kind.__module__}.{kind.__qualname__}: {error!r}"[:600]
+    source, field = getattr(error, "source", None), getattr(error, "field", None)
     if isinstance(error, FormatError) and (
-        not isinstance(error.source, str)
-        or not error.source
-        or not (error.field is None or isinstance(error.field, str))
-        or not isinstance(error.problem, str)
+        not isinstance(source, str)
+        or not source
+        or not (field is None or isinstance(field, str))
+        or not isinstance(getattr(error, "problem", None), str)
     ):
         return f"FormatError without a source or with a bad field: {error!r}"
-    if isinstance(error, NonFiniteError) and (not isinstance(error.index, int) or error.index < 0):
-        return f"NonFiniteError with index {error.index!r}"
+    index = getattr(error, "index", None)
+    if isinstance(error, NonFiniteError) and (not isinstance(index, int) or index < 0):
+        return f"NonFiniteError with index {index!r}"
     return None
 
 
@@ -184,7 +186,9 @@ class Tally:
 
     name: str
     counts: Counter[str] = field(default_factory=Counter)
+    #: The first failures, described; `failed` counts them all.
     failures: list[str] = field(default_factory=list)
+    failed: int = 0
     seconds: float = 0.0
 
     @property
@@ -241,23 +245,31 @@ def run_suite(suite: Suite[Any], cases: int, max_failures: int = 20) -> Tally:
             case = suite.generate(case_rng(suite.name, seed, index))
             cls, problem = run_case(suite, case)
             tally.counts[cls] += 1
-            if problem is not None and len(tally.failures) < max_failures:
+            if problem is None:
+                continue
+            tally.failed += 1
+            if len(tally.failures) < max_failures:
                 tally.failures.append(
                     f"{problem}\n    case: {describe(case)}\n    replay: "
                     f"NYBBLE_FUZZ_REPLAY={suite.name}:{seed}:{index}"
                 )
-            elif problem is not None:
-                tally.counts["failures beyond the first reported"] += 1
     tally.seconds = time.perf_counter() - started
     return tally
 
 
 def report(tallies: Sequence[Tally]) -> str:
-    """The outcome table: cases per class for each suite, and the seeds used."""
+    """The outcome table: cases per class for each suite (and how many of them failed), and
+    the seeds used."""
     classes = sorted({c for t in tallies for c in t.counts}, key=_class_order)
-    headers = ["suite", "cases", *classes, "seconds"]
+    headers = ["suite", "cases", *classes, "failed", "seconds"]
     rows = [
-        [t.name, str(t.cases), *(str(t.counts.get(c, 0)) for c in classes), f"{t.seconds:.1f}"]
+        [
+            t.name,
+            str(t.cases),
+            *(str(t.counts.get(c, 0)) for c in classes),
+            str(t.failed),
+            f"{t.seconds:.1f}",
+        ]
         for t in tallies
     ]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
@@ -282,7 +294,8 @@ def check(tallies: Sequence[Tally]) -> None:
     """Prints the outcome table and fails with every suite's failures."""
     print("\n" + report(tallies))
     failures = [f"[{t.name}] {f}" for t in tallies for f in t.failures]
-    assert not failures, f"{len(failures)} fuzz failure(s):\n" + "\n".join(failures)
+    total = sum(t.failed for t in tallies)
+    assert not failures, f"{total} fuzz failure(s), the first:\n" + "\n".join(failures)
 
 
 # --- reference parsing ---------------------------------------------------------------------------
