@@ -189,6 +189,8 @@ class Tally:
     #: The first failures, described; `failed` counts them all.
     failures: list[str] = field(default_factory=list)
     failed: int = 0
+    #: Failing cases by kind of failure (what the problem says before its first colon).
+    reasons: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
 
     @property
@@ -217,7 +219,10 @@ def run_case(suite: Suite[Any], case: Any) -> tuple[str, str | None]:
         if bug is not None:
             return KNOWN_PREFIX + bug, None
     if error is None:
-        return cls, suite.verify(case, result)
+        try:
+            return cls, suite.verify(case, result)
+        except Exception as e:  # the reference could not follow what nybble accepted
+            return cls, f"accepted, and the reference check cannot read it: {e!r}"[:600]
     problem = problem_with(error, suite.allowed)
     if problem is None and suite.refused is not None:
         problem = suite.refused(case, error)
@@ -248,6 +253,7 @@ def run_suite(suite: Suite[Any], cases: int, max_failures: int = 20) -> Tally:
             if problem is None:
                 continue
             tally.failed += 1
+            tally.reasons[_reason(problem)] += 1
             if len(tally.failures) < max_failures:
                 tally.failures.append(
                     f"{problem}\n    case: {describe(case)}\n    replay: "
@@ -279,7 +285,16 @@ def report(tallies: Sequence[Tally]) -> str:
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    for t in tallies:
+        if t.reasons:
+            lines.append(f"{t.name} failures by kind:")
+            lines += [f"  {n:6d}  {reason}" for reason, n in t.reasons.most_common()]
     return "\n".join(lines)
+
+
+def _reason(problem: str) -> str:
+    head = problem.split(":", 1)[0]
+    return head if len(head) <= 70 else head[:67] + "..."
 
 
 def _class_order(name: str) -> tuple[int, str]:

@@ -681,7 +681,7 @@ def verify(case: AdapterCase, adapter: LoraAdapter) -> str | None:
         "fan_in_fan_out": cfg.fan_in_fan_out,
     }
     if raw.get("r") != cfg.r or type(raw.get("r")) is not int:
-        return f"r: PEFT reads {raw.get('r')!r}, nybble {cfg.r!r}"
+        return f"a field read otherwise: r: PEFT reads {raw.get('r')!r}, nybble {cfg.r!r}"
     for key, value in read.items():
         want = expected[key]
         if key.startswith(("use_", "fan_")):
@@ -690,41 +690,41 @@ def verify(case: AdapterCase, adapter: LoraAdapter) -> str | None:
             number = isinstance(want, (int, float)) and not isinstance(want, bool)
             same = number and math.isfinite(want) and want == value
         if not same:
-            return f"{key}: PEFT reads {want!r}, nybble {value!r}"
+            return f"a field read otherwise: {key}: PEFT reads {want!r}, nybble {value!r}"
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(expected[key], dict):
-            return f"{key}: accepted {expected[key]!r}, not an object"
+            return f"a field read otherwise: {key} is {expected[key]!r}, not an object"
     arrays: dict[str, np.ndarray] = {}
     for name, info in entries:
         dtype = NUMPY_OF_CODE.get(info["dtype"])
         if dtype is None:
-            return f"accepted a tensor of dtype {info['dtype']}"
+            return f"accepted a tensor that is not float: {info['dtype']}"
         arrays[name] = np.frombuffer(bytes(info["data"]), dtype).reshape(info["shape"])
     used = set()
     for name, layer in adapter.layers.items():
         try:
             r = peft_pattern(expected["rank_pattern"], name, raw["r"])
             alpha = peft_pattern(expected["alpha_pattern"], name, expected["lora_alpha"])
-        except re.error:
+        except (re.error, OverflowError, RecursionError):
             return "accepted a pattern that is not a regular expression"
         if layer.config.r != r:
-            return f"{name}: r is {layer.config.r}, PEFT's pattern rule gives {r}"
+            return f"a layer read otherwise: {name}: r {layer.config.r}, PEFT's {r}"
         scaling = alpha / math.sqrt(r) if expected["use_rslora"] else alpha / r
         if not math.isclose(layer.scaling, scaling, rel_tol=1e-12):
-            return f"{name}: scaling {layer.scaling}, PEFT's {scaling}"
+            return f"a layer read otherwise: {name}: scaling {layer.scaling}, PEFT's {scaling}"
         for suffix, attr in zip(SUFFIXES, ("lora_a", "lora_b", "lora_magnitude"), strict=True):
             key = f"{PREFIX}{name}.{suffix}"
             if attr == "lora_magnitude" and not expected["use_dora"]:
                 used.add(key)
                 continue
             if key not in arrays:
-                return f"{name}: loaded {attr} that the file does not hold"
+                return f"a layer read otherwise: {name}: {attr} is not in the file"
             used.add(key)
             with np.errstate(all="ignore"):
                 want_array = arrays[key].astype(np.float32)
             got = np.asarray(getattr(layer, attr))
             if got.shape != want_array.shape or not np.array_equal(got, want_array):
-                return f"{name}: {attr} differs from the file's {key}"
+                return f"a tensor differs from the file's: {name} {attr}"
     if set(arrays) - used:
         return f"tensors loaded by no layer: {sorted(set(arrays) - used)[:3]}"
     return None

@@ -42,6 +42,7 @@ from nybble.tensor import NF4Tensor
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QUANT_STATE = "quant_state.bitsandbytes__"
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 META_FIELDS = (
     "quant_type",
     "blocksize",
@@ -243,19 +244,21 @@ def verify(case: BnbCase, q: NF4Tensor) -> str | None:
     state, prefix = case.state, case.prefix
     keys = [k for k in state if isinstance(k, str) and k.startswith(f"{prefix}.{QUANT_STATE}")]
     if len(keys) != 1:
-        return f"accepted with quant-state keys {keys}"
+        return f"accepted without exactly one quant-state key: {keys}"
     quant_type = keys[0].rsplit("__", 1)[1]
     blob = np.asarray(state[keys[0]])
     if blob.dtype != np.uint8 and blob.dtype != np.int8:
-        return f"accepted a quant-state blob of dtype {blob.dtype}"
+        return f"accepted a quant-state blob that is not bytes: {blob.dtype}"
     ok, meta = strict_json_or_none(np.ascontiguousarray(blob).view(np.uint8).tobytes())
     if not ok or not isinstance(meta, dict):
         return "accepted a quant state that is not a strict JSON object"
-    shape, blocksize = tuple(meta["shape"]), meta["blocksize"]
+    shape, blocksize = tuple(meta.get("shape") or ()), meta.get("blocksize")
+    if not all(type(d) is int and d >= 0 for d in shape) or blocksize not in BLOCKSIZES:
+        return f"accepted a bad shape or blocksize: {meta.get('shape')!r}, {blocksize!r}"
     n = math.prod(shape)
     codes = np.asarray(state[prefix]).reshape(-1)
     if codes.dtype != np.uint8 or codes.size != -(-n // 2):
-        return f"accepted codes {codes.dtype} [{codes.size}] for {n} values"
+        return f"accepted codes of the wrong type or size: {codes.dtype} [{codes.size}] for {n}"
     quant_map = np.asarray(state[f"{prefix}.quant_map"], np.float32).reshape(-1)
     if not np.array_equal(quant_map, reference.CODEBOOKS[quant_type]):
         return "accepted a quant_map that is not the codebook"
@@ -282,12 +285,12 @@ def verify(case: BnbCase, q: NF4Tensor) -> str | None:
         want = reference.dequantize(ours, scales, n, blocksize, quant_type)
     got = q.dequantize("float32").reshape(-1)
     if q.shape != shape or q.blocksize != blocksize or q.codebook != quant_type:
-        return f"read as {q.shape} bs {q.blocksize} {q.codebook}"
+        return f"a field read otherwise: {q.shape} bs {q.blocksize} {q.codebook}"
     if not np.array_equal(got, want):
         return "dequantizes differently from the oracle's reading of the state"
     dtype = str(meta.get("dtype", "float32")).removeprefix("torch.")
     if q.orig_dtype != dtype:
-        return f"orig_dtype {q.orig_dtype}, the state says {dtype}"
+        return f"a field read otherwise: orig_dtype {q.orig_dtype}, the state says {dtype}"
     return None
 
 

@@ -262,8 +262,11 @@ def verify(case: EstimatorCase, result: TrainingSetup | MemoryEstimate) -> str |
         cfg = {**raw, **raw["text_config"]}
     setup = result.setup if isinstance(result, MemoryEstimate) else result
     arch = setup.arch
-    if cfg.get("model_type") not in MODEL_TYPES or arch.model_type != cfg["model_type"]:
-        return f"model_type {cfg.get('model_type')!r} read as {arch.model_type!r}"
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+        return f"accepted a model_type it does not model: {model_type!r}"
+    if arch.model_type != model_type:
+        return f"a field read otherwise: model_type {model_type!r} read as {arch.model_type!r}"
     heads = cfg["num_attention_heads"]
     expected = {
         "hidden_size": cfg.get("hidden_size"),
@@ -276,26 +279,29 @@ def verify(case: EstimatorCase, result: TrainingSetup | MemoryEstimate) -> str |
     for attr, want in expected.items():
         got = getattr(arch, attr)
         if not _int_like(want) or got != want or not 1 <= got:
-            return f"{attr} read as {got!r}, the config has {want!r}"
+            return f"a field read otherwise: {attr} read as {got!r}, the config has {want!r}"
     for flag in ("tie_word_embeddings",):
         want = cfg.get(flag)
         want = False if want is None else want
         if type(want) is not bool or getattr(arch, flag) != want:
-            return f"{flag} read as {getattr(arch, flag)!r}, the config has {cfg.get(flag)!r}"
+            got = getattr(arch, flag)
+            return f"a field read otherwise: {flag} read as {got!r}, the config has {want!r}"
     if cfg.get("hidden_act", "silu") not in ("silu", "swish", None):
-        return f"accepted hidden_act {cfg.get('hidden_act')!r}"
+        return f"accepted a hidden_act it does not model: {cfg.get('hidden_act')!r}"
     if arch.is_moe:
         experts_key = "num_local_experts" if cfg["model_type"] == "mixtral" else "num_experts"
         if arch.num_experts != cfg.get(experts_key):
-            return f"num_experts read as {arch.num_experts}, the config has {cfg.get(experts_key)}"
+            return f"a field read otherwise: num_experts {arch.num_experts} from {experts_key}"
         if arch.experts_per_token != cfg.get("num_experts_per_tok"):
-            return "num_experts_per_tok read otherwise"
+            return "a field read otherwise: num_experts_per_tok"
     if isinstance(result, MemoryEstimate):
         parts = result.breakdown.values()
         if any(not isinstance(v, int) or v < 0 for v in parts) or sum(parts) != result.total_bytes:
-            return f"breakdown {result.breakdown} does not add up to {result.total_bytes}"
+            return (
+                f"a breakdown that does not add up: {result.breakdown}, not to {result.total_bytes}"
+            )
         if result.total_bytes <= 0:
-            return f"total_bytes {result.total_bytes}"
+            return f"a total that is not positive: {result.total_bytes}"
     return None
 
 
