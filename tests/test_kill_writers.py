@@ -88,7 +88,7 @@ def adapter_version(version: str) -> LoraAdapter:
     alpha = 4.0 if version == "new" else 8.0
     adapter = LoraAdapter(LoraConfig(r=2, alpha=alpha, target_modules=("q_proj", "v_proj")))
     for name, w in base_weights().items():
-        layer = adapter.add_layer(name, w)
+        layer = adapter.add_layer(name.removesuffix(".weight"), w)
         layer.set_lora_b(rng.standard_normal(layer.lora_b.shape))
     return adapter
 
