@@ -369,9 +369,9 @@ def test_from_blocks_on_any_buffer(case: tuple[Any, Any, Any, str]) -> None:
     n = q.size
     assert raw.size == -(-n // 64) * 36, "accepted a buffer of the wrong length"
     codes, absmax = reference.from_blocks(raw, n)
-    assert np.all(np.isfinite(absmax) & (absmax >= 0)), (
-        "accepted scales that are not finite and >= 0"
-    )
+    # Finite, but not necessarily >= 0: to_blocks writes a double-quantized tensor's decoded
+    # scales, and a zero block's decodes a little below zero; the layout must take it back.
+    assert np.all(np.isfinite(absmax)), "accepted scales that are not finite"
     assert same_bits(q.codes, codes) and same_bits(q.absmax, absmax)
     got = q.dequantize()
     assert same_bits(got.reshape(-1), oracle_dequantize(codes, absmax, n, 64, codebook, "float32"))
