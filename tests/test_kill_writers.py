@@ -218,7 +218,8 @@ def serve(name: str, workdir: str) -> None:
         if pid == 0:  # the child: run the writer, report how many operations it made
             os.close(read_end)
             null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, 1)
+            os.dup2(null, 1)  # stdout is the driver's reply channel
+            os.dup2(null, 2)  # progress lines; an error comes back in the reply
             count = _arm(directory, int(request.get("kill_at") or 0))
             try:
                 write[request["version"]]()
