@@ -1,16 +1,16 @@
-"""nybble's codes and scales against bitsandbytes 0.50.2 on CUDA (golden fixtures made on an
-H100 by tests/fixtures/make_bnb_fixtures.py --device cuda; no GPU needed here).
+"""nybble's codes and scales against bitsandbytes 0.50.2 on CUDA (golden fixtures made on an H100
+by tests/fixtures/make_bnb_fixtures.py --device cuda; no GPU needed here).
 
 bitsandbytes' CUDA quantizer differs from its CPU one, and from nybble, in documented ways
-(docs/bitsandbytes.md, "Where nybble and bitsandbytes differ"): it normalises with an approximate reciprocal
-(`rcp.approx`, up to 1 ulp off), four of its fifteen NF4 thresholds are decimal literals 1 ulp
-off the f32 midpoints, and an all-zero block gets code 0 instead of 7. It is built with
---use_fast_math, so it also flushes subnormals to zero: subnormal inputs quantize as 0, a block
-whose reciprocal 1/absmax is subnormal (absmax > 2^126) quantizes entirely as 0, and products
-that would be subnormal dequantize to ±0. nybble's FP4 follows bitsandbytes' CUDA tree with an
-exact reciprocal. So every code must either equal bitsandbytes' or be explained by one of
-those rules: a zero block, a flushed subnormal, or a value within a few ulps of the threshold
-between the two (adjacent) codes. Scales are equal everywhere, and nybble decodes
+(docs/bitsandbytes.md, "Where nybble and bitsandbytes differ"): it normalises with an
+approximate reciprocal (`rcp.approx`, up to 1 ulp off), four of its fifteen NF4 thresholds are
+decimal literals 1 ulp off the f32 midpoints, and an all-zero block gets code 0 instead of 7. It
+is built with --use_fast_math, so it also flushes subnormals to zero: subnormal inputs quantize
+as 0, a block whose reciprocal 1/absmax is subnormal (absmax > 2^126) quantizes entirely as 0,
+and products that would be subnormal dequantize to ±0. nybble's FP4 follows bitsandbytes' CUDA
+tree with an exact reciprocal. So every code must either equal bitsandbytes' or be explained by
+one of those rules: a zero block, a flushed subnormal, or a value within a few ulps of the
+threshold between the two (adjacent) codes. Scales are equal everywhere, and nybble decodes
 bitsandbytes' own codes to its dequantized values but for the flushed subnormals."""
 
 from __future__ import annotations

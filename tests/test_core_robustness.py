@@ -269,10 +269,14 @@ def test_the_block_layout_holds_4_bit_codes_only() -> None:
 
 
 def test_non_finite_scales_in_the_block_layout_are_value_errors() -> None:
-    for bad in (np.nan, np.inf, -1.0):
+    for bad in (np.nan, np.inf, -np.inf):
         buf = np.zeros(36, np.uint8)
         buf[:4] = np.array([bad], "<f4").view(np.uint8)
         raises(ValueError, _core.from_blocks36, buf, 64)
+    # A finite negative scale is kept: a double-quantized zero block decodes a hair below 0.
+    buf = np.zeros(36, np.uint8)
+    buf[:4] = np.array([-5e-4], "<f4").view(np.uint8)
+    assert _core.from_blocks36(buf, 64)[1][0] == np.float32(-5e-4)
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,6 @@ from fuzzing import (
 import nybble
 from nybble import LoraAdapter, LoraConfig
 from nybble.errors import FormatError
-from nybble.lora.config import InvalidField
 
 PEFT_FIXTURES = Path(__file__).parent / "fixtures" / "peft"
 PREFIX = "base_model.model."
@@ -731,18 +730,7 @@ def verify(case: AdapterCase, adapter: LoraAdapter) -> str | None:
 
 
 def known(case: AdapterCase, error: BaseException | None) -> str | None:
-    """The known bugs (each has a strict xfail test below)."""
-    ok, raw = strict_json_or_none(case.config)
-    if not ok or not isinstance(raw, dict):
-        return None
-    if error is None:
-        return "no lora_alpha reads as 16" if raw.get("lora_alpha") is None else None
-    if isinstance(error, re.error):
-        return "pattern valid alone, not in PEFT's match"
-    if isinstance(error, OverflowError) and any(_huge(v) for v in raw.values()):
-        return "int beyond float range in a field"
-    if isinstance(error, InvalidField) and error.field == "alpha" and raw.get("alpha_pattern"):
-        return "alpha_pattern value checked late"
+    """The known bugs (each with a strict xfail test below): none at present."""
     return None
 
 
@@ -782,7 +770,7 @@ def test_fuzz_adapter_directories(seeds: list[AdapterSeed], tmp_path: Path) -> N
     check(tallies)
 
 
-# --- the known bugs: each case fails today (strict xfail) and passes once it is fixed ------------
+# --- bugs the suite found, fixed since: each stays a test ------------------------------------
 
 
 def _with_config(tmp_path: Path, **changes: Any) -> Path:
@@ -807,16 +795,10 @@ def _base() -> dict[str, Any]:
     return {f"{n}.weight": layer.weight for n, layer in adapter.layers.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a config without lora_alpha reads as 16; PEFT's is 8")
 def test_absent_lora_alpha_takes_peft_default(tmp_path: Path) -> None:
     assert LoraConfig.from_peft(_with_config(tmp_path, lora_alpha=None)).alpha == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a rank/alpha pattern that compiles alone but not inside PEFT's match "
-    "(global flags: '(?i)Q_PROJ') raises re.error from from_pretrained",
-)
 def test_a_pattern_with_global_flags_is_a_format_error(tmp_path: Path) -> None:
     directory = _with_config(tmp_path, alpha_pattern={"(?i)Q_PROJ": 2})
     with pytest.raises(FormatError) as e:
@@ -824,11 +806,6 @@ def test_a_pattern_with_global_flags_is_a_format_error(tmp_path: Path) -> None:
     assert e.value.field == "alpha_pattern"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an integer beyond float range in a checked field (r, use_dora, ...) raises "
-    "OverflowError (lora/config.py _is computes math.isfinite for every kind)",
-)
 @pytest.mark.parametrize("field_name", ["r", "use_dora", "init_lora_weights", "lora_dropout"])
 def test_a_huge_integer_in_a_field_is_a_format_error(tmp_path: Path, field_name: str) -> None:
     path = _with_config(tmp_path, **{field_name: "HUGE"}) / "adapter_config.json"
@@ -838,11 +815,6 @@ def test_a_huge_integer_in_a_field_is_a_format_error(tmp_path: Path, field_name:
     assert e.value.field == field_name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an alpha_pattern value whose scaling overflows float32 passes from_peft and "
-    "fails later, building the layer, as InvalidField (not a FormatError naming the file)",
-)
 def test_an_alpha_pattern_value_is_checked_with_the_file(tmp_path: Path) -> None:
     directory = _with_config(tmp_path, alpha_pattern={"q_proj": 1e308})
     with pytest.raises(FormatError) as e:

@@ -311,18 +311,7 @@ def _decoded_nested_scales(state: Any, prefix: str) -> np.ndarray | None:
 
 
 def known(case: BnbCase, error: BaseException | None) -> str | None:
-    """The known bugs (each has a strict xfail test below)."""
-    if not isinstance(case.state, dict):
-        return None
-    if type(error) is ValueError:
-        for suffix in ("quant_map", "nested_quant_map"):
-            value = case.state.get(f"{case.prefix}.{suffix}")
-            if isinstance(value, (bytes, str, np.ndarray)) and np.asarray(value).dtype.kind in "SU":
-                return "text quant map: ValueError"
-    if error is None:
-        scales = _decoded_nested_scales(case.state, case.prefix)
-        if scales is not None and not np.all(np.isfinite(scales)):
-            return "nested scales decoding to inf"
+    """The known bugs (each with a strict xfail test below): none at present."""
     return None
 
 
@@ -337,7 +326,7 @@ def test_fuzz_bitsandbytes_states() -> None:
     check([run_suite(suite, cases_for(0.3))])
 
 
-# --- the known bugs: each case fails today (strict xfail) and passes once it is fixed ------------
+# --- bugs the suite found, fixed since: each stays a test ------------------------------------
 
 
 def _double_quantized_state() -> dict[str, Any]:
@@ -345,11 +334,6 @@ def _double_quantized_state() -> dict[str, Any]:
     return bnb.export_state(nybble.quantize(x, double_quant=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a quant map given as bytes or text raises a plain ValueError from astype "
-    "(not a FormatError naming the key)",
-)
 @pytest.mark.parametrize("suffix", ["quant_map", "nested_quant_map"])
 def test_a_quant_map_that_is_not_numbers_is_a_format_error(suffix: str) -> None:
     state = _double_quantized_state()
@@ -360,11 +344,6 @@ def test_a_quant_map_that_is_not_numbers_is_a_format_error(suffix: str) -> None:
     assert e.value.field == f"weight.{suffix}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a nested_offset beyond float32's range (1e308) is accepted: the scales decode "
-    "to inf and the tensor dequantizes to inf/NaN",
-)
 def test_a_nested_offset_beyond_float32_is_a_format_error() -> None:
     state = _double_quantized_state()
     meta = json.loads(state["weight.quant_state.bitsandbytes__nf4"].tobytes())

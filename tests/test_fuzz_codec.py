@@ -195,13 +195,10 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 def test_quantize_and_dequantize_agree_with_the_oracle(
     case: tuple[np.ndarray, Any, Any, bool, str], out_dtype: str
 ) -> None:
-    x, blocksize, codebook, double_quant, layout = case
+    x, blocksize, codebook, double_quant, _layout = case
     before = x.copy()
     q, error = attempt("quantize", lambda: nybble.quantize(x, blocksize, double_quant, codebook))
     assert same_bits(x, before), "quantize changed its input"
-    if layout == "unaligned" and type(error) is ValueError and x.dtype.kind != "O":
-        known_bug("quantize", error, "unaligned input refused")
-        return
     valid = (
         x.dtype.newbyteorder("=") in FLOATS and valid_blocksize(blocksize) and codebook in CODEBOOKS
     )
@@ -306,9 +303,6 @@ def test_to_blocks_and_back(case: tuple[np.ndarray, Any, Any, bool, str], nf4: b
     n = q.size
     assert same_bits(buf, reference.to_blocks(q.codes, q.absmax, n))
     back, error = attempt("from_blocks", lambda: NF4Tensor.from_blocks(buf, q.shape))
-    if type(error) is ValueError and q.nested is not None and np.any(q.absmax < 0):
-        known_bug("from_blocks", error, "negative decoded scale refused")
-        return
     assert error is None, f"from_blocks refused to_blocks' output: {error!r}"
     assert same_bits(back.codes, q.codes) and same_bits(back.absmax, q.absmax)
     assert back.shape == q.shape
@@ -520,9 +514,6 @@ def test_the_constructor_checks_what_it_is_given(args: dict[str, Any]) -> None:
     valid, why = _constructor_valid(args)
     if error is not None:
         return  # refusing is always allowed for a constructor; accepting is checked below
-    if why == "nested offset beyond float32":
-        known_bug("NF4Tensor(...)", None, "nested offset beyond float32 accepted")
-        return
     assert valid, f"accepted arguments the format refuses ({why})"
     n = q.size
     if args["nested"] is not None:
@@ -537,13 +528,6 @@ def test_the_constructor_checks_what_it_is_given(args: dict[str, Any]) -> None:
     else:
         absmax = np.asarray(args["absmax"], np.float32)
     got, error = attempt("dequantize", q.dequantize)
-    arrays = [args["codes"], args["absmax"]]
-    if args["nested"] is not None:
-        arrays += [args["nested"].codes, args["nested"].absmax2]
-    strided = any(not np.asarray(a).flags.c_contiguous for a in arrays if a is not None)
-    if type(error) is ValueError and strided:
-        known_bug("dequantize", error, "strided arrays accepted, then refused")
-        return
     assert error is None, f"dequantize refused an accepted tensor: {error!r}"
     codes = np.asarray(args["codes"])
     assert same_bits(
@@ -551,14 +535,9 @@ def test_the_constructor_checks_what_it_is_given(args: dict[str, Any]) -> None:
     )
 
 
-# --- the known bugs: each case fails today (strict xfail) and passes once it is fixed ------------
+# --- bugs the suite found, fixed since: each stays a test ------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: quantize refuses an unaligned array ('x must be C-contiguous and aligned'); "
-    "SPEC §1 takes any strides (a view at an odd byte offset needs a copy, not a refusal)",
-)
 def test_an_unaligned_array_is_quantized() -> None:
     x = np.linspace(-1, 1, 64, dtype=np.float32)
     raw = np.zeros(x.nbytes + 1, np.uint8)
@@ -567,11 +546,6 @@ def test_an_unaligned_array_is_quantized() -> None:
     assert same_bits(nybble.quantize(unaligned).codes, nybble.quantize(x).codes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a double-quantized tensor with an all-zero block decodes that block's scale a "
-    "little below zero; to_blocks writes it and from_blocks refuses its own layout",
-)
 def test_to_blocks_of_a_double_quantized_tensor_reads_back() -> None:
     x = np.zeros(148, np.float32)  # blocks [0, 0, 1]: the zero blocks decode below zero
     x[-1] = 1.0
@@ -581,11 +555,6 @@ def test_to_blocks_of_a_double_quantized_tensor_reads_back() -> None:
     assert same_bits(back.dequantize(), q.dequantize())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a nested offset beyond float32's range (1e308) is accepted by the NF4Tensor "
-    "constructor; dequantize fails later ('expected a finite float32')",
-)
 def test_a_nested_offset_beyond_float32_is_refused_at_once() -> None:
     q = nybble.quantize(np.ones(64, np.float32), double_quant=True)
     assert q.nested is not None
@@ -594,11 +563,6 @@ def test_a_nested_offset_beyond_float32_is_refused_at_once() -> None:
         NF4Tensor(q.codes, None, q.shape, nested=nested)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the NF4Tensor constructor accepts non-contiguous codes or absmax (a strided "
-    "view); dequantize then refuses them ('codes must be C-contiguous and aligned')",
-)
 @pytest.mark.parametrize("which", ["codes", "absmax"])
 def test_a_strided_array_given_to_the_constructor_dequantizes(which: str) -> None:
     q = nybble.quantize(np.linspace(-1, 1, 256, dtype=np.float32))

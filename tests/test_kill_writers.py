@@ -280,6 +280,8 @@ class Driver:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait(timeout=60)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 @contextlib.contextmanager
@@ -422,11 +424,11 @@ def versions_of(state: State, old: State, new: State) -> dict[str, str]:
 #: a strict xfail test of their own below).
 WRITERS = {
     "adapter": True,
-    "adapter-new-directory": False,
-    "safetensors": False,
-    "estimate-plot": False,
+    "adapter-new-directory": True,
+    "safetensors": True,
+    "estimate-plot": True,
     "checkpoint": True,
-    "model": False,
+    "model": True,
     "train": False,
 }
 
@@ -482,43 +484,11 @@ def test_a_killed_writer_leaves_the_old_or_the_new_content(name: str, tmp_path: 
     "name",
     [
         pytest.param(
-            "adapter-new-directory",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: save_pretrained into a new directory leaves the staging directory "
-                "(.adapter.<random>.tmp, no pid in its name) of a killed save; no later save "
-                "removes it (lora/adapter.py _save_new_directory)",
-            ),
-        ),
-        pytest.param(
-            "safetensors",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: safetensors_io.save does not sweep the temporaries of killed saves",
-            ),
-        ),
-        pytest.param(
-            "estimate-plot",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: nybble estimate --plot never sweeps the temporaries of killed runs "
-                "(cli/estimate.py atomic_write without remove_stale_temporaries)",
-            ),
-        ),
-        pytest.param(
             "train",
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="bug: nybble train sweeps checkpoint, losses and plot temporaries but "
                 "not config.json's (cli/train.py remove_stale_temporaries lists no CONFIG)",
-            ),
-        ),
-        pytest.param(
-            "model",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: Trainer.save_model never sweeps the temporaries of killed saves "
-                "(and writes model.safetensors and config.json as two separate files)",
             ),
         ),
     ],

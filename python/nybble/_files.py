@@ -44,12 +44,24 @@ def new_directory_mode() -> int:
 
 
 def temporary_path(target: str | os.PathLike[str]) -> tuple[int, Path]:
-    """An open descriptor and the path of a new temporary beside `target`."""
+    """An open descriptor and the path of a new temporary beside `target`, after sweeping
+    away the temporaries of `target` that killed processes left."""
     t = Path(target)
-    fd, name = tempfile.mkstemp(
-        prefix=f".{t.name}.{os.getpid()}.", suffix=".tmp", dir=t.parent if str(t.parent) else "."
-    )
+    parent = t.parent if str(t.parent) else Path(".")
+    remove_stale_temporaries(parent, (t.name,))
+    fd, name = tempfile.mkstemp(prefix=f".{t.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
     return fd, Path(name)
+
+
+def temporary_directory(target: str | os.PathLike[str]) -> Path:
+    """A new staging directory beside `target` (mode as a plain mkdir gives), named like the
+    temporaries so that one a killed process left is swept the same way (done here first)."""
+    t = Path(target)
+    parent = t.parent if str(t.parent) else Path(".")
+    remove_stale_temporaries(parent, (t.name,))
+    path = Path(tempfile.mkdtemp(prefix=f".{t.name}.{os.getpid()}.", suffix=".tmp", dir=parent))
+    path.chmod(new_directory_mode())
+    return path
 
 
 def finish_temporary(path: Path) -> None:

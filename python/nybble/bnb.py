@@ -102,6 +102,18 @@ def _array(state: Mapping[str, Any], key: str) -> np.ndarray:
         raise FormatError(SOURCE, f"not an array ({e})", key) from None
 
 
+#: The largest float32: a nested offset beyond it would decode every scale to inf.
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _table(state: Mapping[str, Any], key: str) -> np.ndarray:
+    """A value table (quant_map, nested_quant_map) as flat float32, or FormatError."""
+    table = _array(state, key)
+    _expect(table.dtype.kind in "fiu", key, f"expected numbers, got dtype {table.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        return table.astype(np.float32).ravel()
+
+
 def _expect(cond: bool, field: str, problem: str) -> None:
     if not cond:
         raise FormatError(SOURCE, problem, field)
@@ -181,10 +193,9 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
         prefix,
         f"{codes.size} bytes, shape {list(shape)} needs {formats.code_bytes(n, codebook)}",
     )
-    quant_map = _array(state, f"{prefix}.quant_map")
+    quant_map = _table(state, f"{prefix}.quant_map")
     _expect(
-        quant_map.size == 16
-        and np.array_equal(quant_map.astype(np.float32).ravel(), formats.values(codebook)),
+        quant_map.size == 16 and np.array_equal(quant_map, formats.values(codebook)),
         f"{prefix}.quant_map",
         f"not the standard {quant_type} codebook",
     )
@@ -208,7 +219,7 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
             f"{key}: nested_blocksize",
             f"must be {NESTED_BLOCKSIZE}",
         )
-        nested_map = _array(state, f"{prefix}.nested_quant_map").astype(np.float32).ravel()
+        nested_map = _table(state, f"{prefix}.nested_quant_map")
         _expect(
             np.array_equal(nested_map, formats.values("dynamic8")),
             f"{prefix}.nested_quant_map",
@@ -235,9 +246,9 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
         _expect(
             isinstance(offset, (int, float))
             and not isinstance(offset, bool)
-            and math.isfinite(offset),
+            and abs(offset) <= _F32_MAX,
             f"{key}: nested_offset",
-            f"expected a finite number, got {offset!r}",
+            f"expected a finite float32 number, got {offset!r}",
         )
         nested = NestedAbsmax(
             np.ascontiguousarray(absmax),

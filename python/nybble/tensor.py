@@ -39,16 +39,25 @@ class NF4Tensor:
         """Checks everything: dtypes and sizes against the shape and format, and that every
         scale is finite and >= 0 (which reads them back from the GPU)."""
         backend = backends.of(codes)
-        codes = backend.asarray(codes, "codes")
+
+        def array(a: Any, what: str) -> Any:
+            # C-contiguous and aligned, as the core and the kernels read them (a copy only
+            # where needed; CuPy allocations are aligned, and views are aligned per launch)
+            found = backend.asarray(a, what)
+            if backend.device == "cpu":
+                return np.require(found, requirements=["C", "A"])
+            return backend.xp.ascontiguousarray(found)
+
+        codes = array(codes, "codes")
         if nested is not None:
             nested = NestedAbsmax(
-                backend.asarray(nested.codes, "nested.codes"),
-                backend.asarray(nested.absmax2, "nested.absmax2"),
+                array(nested.codes, "nested.codes"),
+                array(nested.absmax2, "nested.absmax2"),
                 _finite_offset(nested.offset),
             )
             absmax = None
         elif absmax is not None:
-            absmax = backend.asarray(absmax, "absmax")
+            absmax = array(absmax, "absmax")
         packed = Packed(
             codes,
             absmax,
@@ -228,8 +237,8 @@ def _finite_offset(offset: object) -> float:
         value = float(offset)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ValueError(f"nested offset must be a number, got {offset!r}") from None
-    if not np.isfinite(value):
-        raise ValueError(f"nested offset must be finite, got {value}")
+    if not abs(value) <= float(np.finfo(np.float32).max):  # it is applied in float32
+        raise ValueError(f"nested offset must be a finite float32 number, got {value}")
     return value
 
 

@@ -67,8 +67,9 @@ def _torch_bfloat16_view(x: Any) -> np.ndarray | None:
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
-    """A flat C-contiguous view, or copy when the strides do not allow one."""
-    return np.ascontiguousarray(a).reshape(-1)
+    """A flat C-contiguous, aligned view, or a copy when the strides or the address do not
+    allow one (the core reads whole aligned elements)."""
+    return np.require(a, requirements=["C", "A"]).reshape(-1)
 
 
 class CpuBackend:

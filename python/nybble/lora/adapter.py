@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,9 @@ import numpy as np
 
 from .. import backends, safetensors_io
 from .._files import (
-    new_directory_mode,
     remove_stale_temporaries,
     replace_file,
+    temporary_directory,
     write_temporary,
 )
 from ..errors import FormatError
@@ -313,9 +312,8 @@ def _save_new_directory(
     """Builds the adapter in a temporary directory beside `target` and renames it into place:
     `target` appears complete or not at all."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    staging = temporary_directory(target)
     try:
-        staging.chmod(new_directory_mode())
         replace_file(
             safetensors_io.save_temporary(tensors, staging / WEIGHTS_FILE, metadata),
             staging / WEIGHTS_FILE,

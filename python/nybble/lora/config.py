@@ -15,6 +15,8 @@ from ..errors import FormatError
 
 Init = Literal["kaiming", "gaussian"]
 INITS: tuple[Init, ...] = ("kaiming", "gaussian")
+#: PEFT's default lora_alpha, what a config file without the field means.
+PEFT_DEFAULT_ALPHA = 8
 #: PEFT's adapter config file.
 CONFIG_FILE = "adapter_config.json"
 #: An adapter config is a few kilobytes; reading stops well beyond.
@@ -132,9 +134,11 @@ class LoraConfig:
         if (
             isinstance(self.alpha, bool)
             or not isinstance(self.alpha, (int, float))
-            or not 0 < self.alpha < math.inf
+            or not 0 < self.alpha <= _F32_MAX  # compared as given: no int -> float overflow
         ):
-            raise InvalidField("alpha", f"must be a finite number > 0, got {self.alpha!r}")
+            raise InvalidField(
+                "alpha", f"must be a number > 0 that float32 can hold, got {self.alpha!r}"
+            )
         if not self.scaling <= _F32_MAX:
             raise InvalidField(
                 "alpha",
@@ -175,9 +179,11 @@ class LoraConfig:
         for key, alpha in self.alpha_pattern:
             _regex(key, "alpha_pattern")
             number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
-            if not number or not 0 < alpha < math.inf:
+            # r >= 1, so alpha bounds the scaling: below float32's largest, products stay finite
+            if not number or not 0 < alpha <= _F32_MAX:
                 raise InvalidField(
-                    "alpha_pattern", f"[{key!r}] is {alpha!r}; expected a finite number > 0"
+                    "alpha_pattern",
+                    f"[{key!r}] is {alpha!r}; expected a number > 0 that float32 can hold",
                 )
         return self
 
@@ -237,6 +243,7 @@ class LoraConfig:
             kwargs[name] = value
         if "r" not in kwargs:
             raise FormatError(where, "missing", "r")
+        kwargs.setdefault("lora_alpha", PEFT_DEFAULT_ALPHA)  # a file without it means PEFT's
         targets = kwargs.pop("target_modules", None)
         if targets is not None:
             kwargs["target_modules"] = targets if isinstance(targets, str) else tuple(targets)
@@ -297,10 +304,13 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 def _is(value: Any, kind: str) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # An int beyond float's range is a number JSON allows; compared, never converted.
+    number = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and math.isfinite(value)
+    )
     return {
         "int": isinstance(value, int) and not isinstance(value, bool),
-        "number": number and math.isfinite(value),
+        "number": number,
         "bool": isinstance(value, bool),
         "bool or str": isinstance(value, (bool, str)),
         "object": isinstance(value, Mapping) and all(isinstance(k, str) for k in value),
@@ -334,16 +344,24 @@ def _peft_init(value: bool | str | None) -> str | None:
 
 
 def _regex(pattern: str, what: str) -> re.Pattern[str]:
+    """`pattern` compiled as it is used: alone for target_modules, inside PEFT's suffix match
+    for the patterns (where a flag such as '(?i)' in the middle does not compile)."""
     try:
+        if what in ("rank_pattern", "alpha_pattern"):
+            return re.compile(_SUFFIX_MATCH.format(pattern))
         return re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as e:
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
         raise InvalidField(what, f"{pattern!r} is not a regular expression ({e})") from None
+
+
+#: PEFT's rule for rank/alpha pattern keys: the key matches the end of the module path.
+_SUFFIX_MATCH = r"(.*\.)?(?:{})"
 
 
 def _pattern(pairs: tuple[tuple[str, float], ...], name: str, default: float) -> float:
     """PEFT's rank/alpha patterns: the first key matching the end of the module path."""
     for key, value in pairs:
-        if re.fullmatch(rf"(.*\.)?(?:{key})", name):
+        if re.fullmatch(_SUFFIX_MATCH.format(key), name):
             return value
     return default
 
