@@ -228,36 +228,41 @@ class CudaBackend:
 
 class DeviceFiniteCheck:
     """Scans recorded arrays on the GPU (kernels/nf4.cu: scan_non_finite) into one device
-    counter per argument name; reads them back only in `raise_pending`, one wait for all."""
+    counter per argument name and kind of scan (the array itself, or a product standing for
+    its rows); reads them back only in `raise_pending`, one wait for all."""
 
     def __init__(self) -> None:
-        self._first_bad: dict[str, Any] = {}  # what -> uint64[1] on the device
-        self._scans: dict[tuple[str, Any], launch.ScanLaunch] = {}
-        #: what -> (row length of the scanned array, row length of the array it stands for)
-        self._rows: dict[str, tuple[int, int]] = {}
+        #: (what, row_stride or None) -> uint64[1] on the device: the first bad flat index
+        self._first_bad: dict[tuple[str, int | None], Any] = {}
+        #: (what, row_stride or None) -> row length of the scanned array
+        self._widths: dict[tuple[str, int | None], int] = {}
+        self._scans: dict[tuple[str, int | None, Any], launch.ScanLaunch] = {}
 
     def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+        slot_key = (what, row_stride)
         if row_stride is not None:
-            self._rows[what] = (max(int(a.shape[-1]), 1), row_stride)
-        scan = self._scans.get((what, a.dtype))
+            self._widths[slot_key] = max(int(a.shape[-1]), 1)
+        scan = self._scans.get((what, row_stride, a.dtype))
         if scan is None:
-            slot = self._first_bad.get(what)
+            slot = self._first_bad.get(slot_key)
             if slot is None:
-                slot = self._first_bad[what] = cp.full(1, np.uint64(launch.NO_INDEX), cp.uint64)
-            scan = self._scans[(what, a.dtype)] = launch.ScanLaunch(slot, a.dtype)
+                slot = cp.full(1, np.uint64(launch.NO_INDEX), cp.uint64)
+                self._first_bad[slot_key] = slot
+            scan = self._scans[(what, row_stride, a.dtype)] = launch.ScanLaunch(slot, a.dtype)
         scan(a)
 
     def raise_pending(self) -> None:
         if not self._first_bad:
             return
-        names = list(self._first_bad)
-        found = cp.asnumpy(cp.concatenate([self._first_bad[n] for n in names]))
+        keys = list(self._first_bad)
+        found = cp.asnumpy(cp.concatenate([self._first_bad[k] for k in keys]))
         for slot in self._first_bad.values():
             slot.fill(np.uint64(launch.NO_INDEX))
-        for name, index in zip(names, found.tolist(), strict=True):
+        for (what, stride), index in zip(keys, found.tolist(), strict=True):
             if index != launch.NO_INDEX:
-                width, stride = self._rows.get(name, (1, 1))
-                raise NonFiniteError(int(index) // width * stride, name)
+                if stride is not None:  # a product's row: the first element of that row
+                    index = index // self._widths[(what, stride)] * stride
+                raise NonFiniteError(int(index), what)
 
 
 class Prepared:
