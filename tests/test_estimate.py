@@ -380,7 +380,7 @@ def test_a_new_framework_is_one_class() -> None:
 
 
 def _measured(name: str = "measured.jsonl") -> list[dict[str, Any]]:
-    path = MEASURED / name
+    path = MEASURED / "old-protocol" / name
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [r for r in rows if "step2" in r]
 

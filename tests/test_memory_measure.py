@@ -110,9 +110,36 @@ def test_a_dry_run_survives_failing_runs(tmp_path: Path) -> None:
     assert (tmp_path / "comparison.csv").read_text().startswith("arch,")
 
 
+def test_a_configuration_two_sets_measure_gets_two_run_ids() -> None:
+    """The diagnose pair is in the committed set too: each copy writes its own run file and
+    compare.py keeps both records."""
+    runs = measure.select(["diagnose", "committed"], ["plain"])
+    for c in runs:
+        c["run"] = f"{measure.config_id(c)}-{c['loop']}"
+    measure.unique_run_ids(runs)
+    ids = [c["run"] for c in runs]
+    assert len(ids) == len(set(ids))
+    assert "llama-3.2-1b-L16-b1-s512-gc1-plain-diagnose" in ids
+    assert "llama-3.2-1b-L16-b1-s512-gc1-plain-committed" in ids
+    assert "llama-3.2-1b-L16-b2-s512-gc1-plain" in ids  # measured once: its id is unchanged
+
+
+def test_compare_keeps_both_sets_and_the_last_record_of_a_run(tmp_path: Path) -> None:
+    base = json.loads((BENCH / "results" / "results.jsonl").read_text().splitlines()[0])
+    lines = [
+        dict(base, set="committed", run="x", measured_total=1),
+        dict(base, set="diagnose", run="x", measured_total=2),
+        dict(base, set="committed", run="x", measured_total=3),  # measured again, alone
+    ]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    kept = {(r["set"], r["measured_total"]) for r in compare.records(path)}
+    assert kept == {("committed", 3), ("diagnose", 2)}
+
+
 @pytest.mark.parametrize("name", ["measured.jsonl", "holdout.jsonl"])
 def test_old_protocol_rows_are_recomputed_and_marked(name: str) -> None:
-    table = compare.rows(BENCH / "results" / name)
+    table = compare.rows(BENCH / "results" / "old-protocol" / name)
     assert table and all(
         r["protocol"] == "old protocol" and r["loop"] == "benchmark" for r in table
     )

@@ -2,7 +2,7 @@
 
     python benchmarks/memory/compare.py --measured OUT/results.jsonl           # table
     python benchmarks/memory/compare.py --measured OUT/results.jsonl --write RESULTS_DIR
-    python benchmarks/memory/compare.py                                        # committed files
+    python benchmarks/memory/compare.py                                        # committed run
 
 Every measured run is estimated with the same architecture (the config fields the run
 recorded), layer count, batch, sequence length, gradient checkpointing, LoRA rank/dropout,
@@ -11,11 +11,12 @@ total: the steady step's reserved peak plus the process's memory outside the all
 it (NVML minus `memory_reserved()`), the largest over steps 2 on. `covered` says whether the
 measured total is within the estimate plus its stated margin.
 
-Rows of the committed results/measured.jsonl and results/holdout.jsonl are marked
-`old protocol`: they were measured with the benchmark loop before SPEC §5 counted the memory
-outside the allocator after a step. Their total is recomputed under the new definition from
-what they recorded (step 2's reserved peak plus NVML minus reserved at the end of the run) and
-compared with the benchmark loop's estimate.
+Without `--measured` it compares the committed validation run (results/results.jsonl).
+Rows of results/old-protocol/measured.jsonl and holdout.jsonl are marked `old protocol`: they
+were measured with the benchmark loop before SPEC §5 counted the memory outside the allocator
+after a step. Their total is recomputed under the new definition from what they recorded (step
+2's reserved peak plus NVML minus reserved at the end of the run) and compared with the
+benchmark loop's estimate.
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ def _variant(rec: dict[str, Any]) -> str:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
-    """The records of a results file; of a run measured twice (again alone, after sharing the
-    GPU went wrong) the last."""
+    """The records of a results file; of a run measured twice in one set (again alone, after
+    sharing the GPU went wrong) the last. Two sets may measure the same configuration (the
+    diagnose pair is in the committed set too): both are kept."""
     found: dict[Any, dict[str, Any]] = {}
     for n, line in enumerate(path.read_text().splitlines()):
         if line.strip():
             rec = json.loads(line)
-            found[rec.get("run", n)] = rec
+            key = (rec.get("set"), rec["run"]) if "run" in rec else n
+            found[key] = rec
     return list(found.values())
 
 
@@ -205,20 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         "--measured",
         action="append",
         default=None,
-        help="a results JSONL (repeatable); default: the committed measured and holdout files",
+        help="a results JSONL (repeatable); default: the committed results/results.jsonl",
     )
     ap.add_argument(
         "--write", metavar="DIR", default=None, help="write comparison.{json,csv,md} there"
     )
     args = ap.parse_args(argv)
-    paths = (
-        [Path(p) for p in args.measured]
-        if args.measured
-        else [
-            RESULTS / "measured.jsonl",
-            RESULTS / "holdout.jsonl",
-        ]
-    )
+    paths = [Path(p) for p in args.measured] if args.measured else [RESULTS / "results.jsonl"]
     table: list[dict[str, Any]] = []
     for path in paths:
         table += rows(path)

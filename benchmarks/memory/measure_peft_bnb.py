@@ -249,8 +249,8 @@ def config_id(c: dict[str, Any]) -> str:
 
 
 def committed_configs() -> list[dict[str, Any]]:
-    """The configurations of results/measured.jsonl (measured before with the benchmark loop),
-    most important first."""
+    """The configurations of results/old-protocol/measured.jsonl (measured before with the
+    benchmark loop), most important first."""
     out: list[dict[str, Any]] = []
     core = [
         ("qwen3-0.6b", 28),
@@ -282,7 +282,8 @@ def committed_configs() -> list[dict[str, Any]]:
     return out
 
 
-#: results/holdout.jsonl's configurations (held out of the allocation model's construction).
+#: results/old-protocol/holdout.jsonl's configurations (held out of the allocation model's
+#: construction).
 HOLDOUT_CONFIGS = [
     dict(arch="qwen3-0.6b", layers=28, batch=3, seq=1024, gc=True),
     dict(arch="qwen3-0.6b", layers=28, batch=1, seq=1536, gc=False),
@@ -332,6 +333,23 @@ DIAGNOSE_CONFIGS = [
     dict(arch="llama-3.2-1b", layers=16, batch=1, seq=512, gc=True),
     dict(arch="qwen3-0.6b", layers=28, batch=1, seq=512, gc=True),
 ]
+
+
+def unique_run_ids(configs: list[dict[str, Any]]) -> None:
+    """A configuration two sets measure (the diagnose pair is in the committed set too) gets
+    its set's name in the run id of every copy: each run writes runs/<id>.json and its trace
+    under its own name."""
+    seen: dict[str, int] = {}
+    for c in configs:
+        seen[c["run"]] = seen.get(c["run"], 0) + 1
+    for c in configs:
+        if seen[c["run"]] > 1:
+            c["run"] = f"{c['run']}-{c.get('set', 'custom')}"
+    taken: set[str] = set()
+    for n, c in enumerate(configs):
+        if c["run"] in taken:  # the same configuration twice in one set
+            c["run"] = f"{c['run']}-{n}"
+        taken.add(c["run"])
 
 
 def select(sets: list[str], loops: list[str]) -> list[dict[str, Any]]:
@@ -843,6 +861,7 @@ def main() -> int:
             c["dry_run"] = True
         c["run"] = f"{config_id(c)}-{c['loop']}"
         c["checkpoint"] = str(checkpoint_dir(root, c["arch"], depths))
+    unique_run_ids(configs)
     env = environment(args, root, len(configs))
     (out / "environment.json").write_text(json.dumps(env, indent=2))
     print(json.dumps(env), flush=True)
