@@ -433,10 +433,68 @@ def test_replayed_peaks_match_the_benchmark_measurements(name: str) -> None:
 
 
 def test_the_outside_part_is_the_measured_one() -> None:
-    """SPEC §5's figure (751 MiB after a step of the plain loop on the H100) is the default; the
-    benchmark runs measured the same part at their end (NVML minus reserved): 742 MiB in all."""
-    assert DEFAULT_OUTSIDE_ALLOCATOR == 751 * MiB
+    """742 MiB after every step of every dense run of the validation (NVML minus reserved), and
+    at the end of the old protocol's benchmark runs; the mixtures of experts 2 MiB more."""
+    assert DEFAULT_OUTSIDE_ALLOCATOR == 742 * MiB
     assert estimate_memory("tiny", seq_len=64).context_bytes == DEFAULT_OUTSIDE_ALLOCATOR
     for rec, _ in _old_protocol("measured.jsonl"):
         outside = rec["nvml_process_end"] - rec["step3"]["phases"]["end"]["reserved"]
-        assert abs(outside - DEFAULT_OUTSIDE_ALLOCATOR) < 16 * MiB
+        assert outside == DEFAULT_OUTSIDE_ALLOCATOR
+    for rec in _validation():
+        for step in rec["steps"]:
+            assert 0 <= step["outside"] - DEFAULT_OUTSIDE_ALLOCATOR <= 2 * MiB, rec["run"]
+
+
+# --- against the validation run (benchmarks/memory/results/results.jsonl) -----------------
+# measure_peft_bnb.py as docs/estimator.md describes it: one fresh process per configuration,
+# SPEC §5's plain loop (the diagnose pair in the benchmark loop too), 4 steps, NVML after each;
+# the measured total is the steady step's reserved peak plus the memory outside the allocator.
+
+
+def _validation() -> list[dict[str, Any]]:
+    path = MEASURED / "results.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@functools.cache
+def _validation_estimates() -> list[tuple[dict[str, Any], nybble.memory.MemoryEstimate]]:
+    out = []
+    for rec in _validation():
+        est = estimate_memory(
+            dict(rec["config"], num_hidden_layers=rec["layers"]),
+            lora_r=int(rec.get("r", 16)),
+            lora_dropout=float(rec.get("dropout", 0.0)),
+            optimizer=str(rec.get("optim", "adamw")),
+            batch=int(rec["batch"]),
+            seq_len=int(rec["seq"]),
+            grad_checkpointing=bool(rec["gc"]),
+            loop=str(rec["loop"]),
+        )
+        out.append((rec, est))
+    return out
+
+
+def _error(est: nybble.memory.MemoryEstimate, rec: dict[str, Any]) -> float:
+    return float((est.total_bytes - rec["measured_total"]) / rec["measured_total"])
+
+
+def test_the_validation_run_covers_the_sets() -> None:
+    rows = _validation()
+    assert all("error" not in r and len(r["steps"]) >= 3 for r in rows)
+    sets = {name: sum(r["set"] == name for r in rows) for name in {r["set"] for r in rows}}
+    assert sets == {"committed": 50, "holdout": 11, "new": 10, "moe": 4, "diagnose": 4}
+    assert {r["loop"] for r in rows if r["set"] == "diagnose"} == {"plain", "benchmark"}
+
+
+def test_dense_totals_are_within_3_percent_of_the_validation_run() -> None:
+    """SPEC §5's total of every dense configuration, committed, held out, new and diagnose,
+    within ±3% of the measured one (issue 18's criterion); the reserved peak, which the
+    replay gives, within 0.5% or 2 MiB in all but the tiny model at 1024 tokens."""
+    dense = [(rec, est) for rec, est in _validation_estimates() if rec["set"] != "moe"]
+    assert len(dense) == 75
+    errors = {rec["run"] + "/" + rec["set"]: _error(est, rec) for rec, est in dense}
+    assert max(abs(e) for e in errors.values()) <= 0.03, errors
+    for rec, est in dense:
+        off = est.reserved_peak_bytes - rec["measured_reserved"]
+        if rec["arch"] != "tiny":
+            assert abs(off) <= max(2 * MiB, 0.005 * rec["measured_reserved"]), (rec["run"], off)

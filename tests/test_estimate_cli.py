@@ -141,13 +141,13 @@ def test_gpu_sizes_are_binary_like_the_labels(capsys: pytest.CaptureFixture[str]
 def test_outside_part_margin_and_context_override(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "tiny", "-s", "64", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["breakdown"]["outside_allocator"] == d["context_bytes"] == 751 * 2**20
+    assert d["breakdown"]["outside_allocator"] == d["context_bytes"] == 742 * 2**20
     assert d["total_bytes"] == sum(d["breakdown"].values())
     assert d["margin_bytes"] > 0
     assert main(["estimate", "tiny", "-s", "64", "--json", "--context", "1GiB"]) == 0
     e = json.loads(capsys.readouterr().out)
     assert e["context_bytes"] == e["breakdown"]["outside_allocator"] == 2**30
-    assert e["total_bytes"] - d["total_bytes"] == 2**30 - 751 * 2**20
+    assert e["total_bytes"] - d["total_bytes"] == 2**30 - 742 * 2**20
     assert e["context_source"] == "given"
 
 

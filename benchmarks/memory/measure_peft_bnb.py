@@ -545,8 +545,8 @@ def _measure_dry(c: dict[str, Any]) -> dict[str, Any]:
                 peak_reserved=rough,
                 peak_allocated=rough * 9 // 10,
                 reserved_end=rough * 8 // 10,
-                nvml_process=rough * 8 // 10 + (751 << 20),
-                outside=751 << 20,
+                nvml_process=rough * 8 // 10 + (742 << 20),
+                outside=742 << 20,
                 alloc_retries=0,
                 loss=math.log(ARCHS[c["arch"]]["vocab_size"]),
             )
@@ -747,7 +747,7 @@ def write_trace(c: dict[str, Any], snapshot: dict[str, Any], root: Path) -> str:
 
 def context_probe(out: str) -> None:
     """What the process holds outside the allocator, alone on the GPU: after CUDA init, after
-    the first tensor op (SPEC §5: 518 and 619 MiB on the H100)."""
+    the first tensor op (on the H100: 518 and 612 MiB)."""
     import torch
 
     pid = os.getpid()

@@ -3,11 +3,13 @@
 A training process holds more than `torch.cuda.memory_reserved()`: the CUDA context and every
 kernel module loaded by then (cuBLAS, the attention kernels, bitsandbytes' library). With lazy
 module loading (CUDA's default since 11.7) it grows as the first step runs: on an H100 with
-driver 580 and torch 2.11+cu130, 518 MiB before any tensor, 619 MiB after the first tensor op
-and 751 MiB after a QLoRA training step, the same in 11 configurations from 0.6B to 4B
-parameters (SPEC §5). The figure that sits next to the reserved peak is the last one: NVML's
-process memory minus `memory_reserved()` right after a steady step. `total_bytes` adds it to
-the replayed reserved peak (docs/estimator.md).
+driver 580 and torch 2.11+cu130, 518 MiB before any tensor, 612 MiB after the first tensor op
+and 742 MiB after a QLoRA training step (an earlier probe, quoted by SPEC §5, read 619 and 751
+MiB: a process that had loaded more). The figure that sits next to the reserved
+peak is the last one: NVML's process memory minus `memory_reserved()` right after a steady
+step. The validation run (benchmarks/memory/results/results.jsonl) measured it after each of 4
+steps in 79 fresh processes: 742 MiB in all 75 dense ones from step 1 on, 744 MiB in the 4
+mixtures of experts (docs/estimator.md). `total_bytes` adds it to the replayed reserved peak.
 
 It depends on the GPU generation (kernel images per architecture), the CUDA major version and
 the torch build, so it is kept per (generation, CUDA major, torch minor) where measured; other
@@ -24,7 +26,7 @@ from .presets import MiB
 #: (GPU generation, CUDA major, torch "major.minor") -> bytes outside the allocator after a
 #: steady QLoRA step (transformers + PEFT + bitsandbytes), measured as described above.
 MEASURED_OUTSIDE_ALLOCATOR: dict[tuple[str, int, str], int] = {
-    ("hopper", 13, "2.11"): 751 * MiB,
+    ("hopper", 13, "2.11"): 742 * MiB,
 }
 
 #: The figure used where nothing was measured: the H100 / CUDA 13 / torch 2.11 measurement.
