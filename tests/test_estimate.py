@@ -486,15 +486,40 @@ def test_the_validation_run_covers_the_sets() -> None:
     assert {r["loop"] for r in rows if r["set"] == "diagnose"} == {"plain", "benchmark"}
 
 
-def test_dense_totals_are_within_3_percent_of_the_validation_run() -> None:
-    """SPEC §5's total of every dense configuration, committed, held out, new and diagnose,
-    within ±3% of the measured one (issue 18's criterion); the reserved peak, which the
-    replay gives, within 0.5% or 2 MiB in all but the tiny model at 1024 tokens."""
-    dense = [(rec, est) for rec, est in _validation_estimates() if rec["set"] != "moe"]
-    assert len(dense) == 75
-    errors = {rec["run"] + "/" + rec["set"]: _error(est, rec) for rec, est in dense}
+def test_totals_are_within_3_percent_of_the_validation_run() -> None:
+    """SPEC §5's total of every configuration, committed, held out, new, diagnose and the
+    mixtures of experts, within ±3% of the measured one (issue 18's criterion); the reserved
+    peak, which the replay gives, within 1% in all but the tiny model at 1024 tokens (one 20
+    MiB segment short: docs/estimator.md)."""
+    runs = _validation_estimates()
+    assert len(runs) == 79
+    errors = {rec["run"] + "/" + rec["set"]: _error(est, rec) for rec, est in runs}
     assert max(abs(e) for e in errors.values()) <= 0.03, errors
-    for rec, est in dense:
+    dense = [abs(e) for key, e in errors.items() if not key.endswith("/moe")]
+    assert sorted(dense)[-2] < 0.001  # the tiny model's is the one beyond 0.1%
+    for rec, est in runs:
         off = est.reserved_peak_bytes - rec["measured_reserved"]
         if rec["arch"] != "tiny":
-            assert abs(off) <= max(2 * MiB, 0.005 * rec["measured_reserved"]), (rec["run"], off)
+            assert abs(off) <= 0.01 * rec["measured_reserved"], (rec["run"], off)
+
+
+def test_every_step_of_the_validation_run_is_replayed() -> None:
+    """The replay's reserved peak of steps 1 to 3 against the measured ones: within 1% (the
+    tiny model aside) at every step, so also where step 1 reserves less than step 2."""
+    grew = 0
+    for rec, est in _validation_estimates():
+        measured = [s["peak_reserved"] for s in rec["steps"]]
+        replayed = est.step_reserved_bytes[1:]
+        grew += measured[1] > measured[0]
+        if rec["arch"] == "tiny":
+            continue
+        for m, r in zip(measured, replayed, strict=False):
+            assert abs(r - m) <= 0.01 * m, (rec["run"], measured, replayed)
+    assert grew >= 10
+
+
+def test_trainable_parameters_are_what_peft_made() -> None:
+    """PEFT's trainable parameter count of every validation run, the fused experts of Mixtral
+    and Qwen3-MoE included (Qwen2-MoE's keep none)."""
+    for rec, est in _validation_estimates():
+        assert est.to_dict()["lora_parameters"] == rec["trainable_params"], rec["run"]

@@ -15,6 +15,7 @@ from nybble.errors import FormatError
 from nybble.memory import (
     BREAKDOWN_KEYS,
     MODEL_PRESETS,
+    TrainingSetup,
     estimate_memory,
     resolve_gpu,
     resolve_model,
@@ -127,17 +128,59 @@ def test_moe_parameter_counts(name: str, params: int) -> None:
 
 
 def test_moe_lora_targets_are_what_all_linear_finds() -> None:
-    """transformers 5 fuses the experts into 3-D parameters: all-linear adapts the attention
-    (and a shared expert with its gate), never the experts."""
-    mixtral = resolve_model("mixtral-8x7b")
-    assert mixtral.linear_names() == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert mixtral.lora_parameters(16, mixtral.linear_names()) == 32 * 16 * (
-        (4096 + 4096) * 2 + (1024 + 4096) * 2
-    )
-    qwen = resolve_model("qwen1.5-moe-a2.7b")
-    assert "shared_expert_gate" in qwen.linear_names()
-    assert qwen.linear_shapes(0)["shared_expert_gate"] == (1, 2048)
-    assert qwen.linear_shapes(0)["gate_proj"] == (5632, 2048)
+    """transformers 5 fuses the experts into 3-D parameters. PEFT 0.21's all-linear adapts the
+    attention (and a shared expert with its gate), and for Mixtral and Qwen3-MoE also the
+    router, gate_up_proj (at twice the rank) and down_proj through lora.ParamWrapper; Qwen2-MoE
+    keeps its experts without an adapter. A list of names adapts only those linear layers."""
+    mixtral = TrainingSetup.create("mixtral-8x7b")
+    assert mixtral.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert mixtral.expert_targets == ("router", "gate_up_proj", "down_proj")
+    attention = 32 * 16 * ((4096 + 4096) * 2 + (1024 + 4096) * 2)
+    assert mixtral.arch.lora_parameters(16, mixtral.targets) == attention
+    router = 16 * (4096 + 8)
+    gate_up = 32 * 8 * (4096 + 2 * 14336)
+    down = 16 * 8 * (14336 + 4096)
+    assert mixtral.lora_parameters == attention + 32 * (router + gate_up + down)
+    assert TrainingSetup.create("mixtral-8x7b", targets="q_proj,v_proj").expert_targets == ()
+    qwen2 = TrainingSetup.create("qwen1.5-moe-a2.7b")
+    assert qwen2.expert_targets == () and "shared_expert_gate" in qwen2.targets
+    assert qwen2.arch.linear_shapes(0)["shared_expert_gate"] == (1, 2048)
+    assert qwen2.arch.linear_shapes(0)["gate_proj"] == (5632, 2048)
+    assert TrainingSetup.create("qwen3-30b-a3b").expert_targets == mixtral.expert_targets
+
+
+def test_qwen3_moe_dense_layers_keep_no_mlp_adapter() -> None:
+    """PEFT maps the MLP names of all-linear to the fused parameters: the MLP of a layer in
+    mlp_only_layers gets no adapter."""
+    cfg = dict(MODEL_PRESETS["qwen3-30b-a3b"], num_hidden_layers=2)
+    sparse = TrainingSetup.create(cfg)
+    mixed = TrainingSetup.create(dict(cfg, mlp_only_layers=[0]))
+    assert mixed.targets == sparse.targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert mixed.layer_lora_tensors(0) == sparse.layer_lora_tensors(0)[:8]
+    assert mixed.layer_lora_tensors(1) == sparse.layer_lora_tensors(1)
+
+
+def test_moe_expert_adapters_refuse_dropout() -> None:
+    with pytest.raises(ValueError):
+        TrainingSetup.create("mixtral-8x7b", lora_dropout=0.1)
+    assert TrainingSetup.create("mixtral-8x7b", lora_dropout=0.1, targets="q_proj").lora_dropout
+    assert TrainingSetup.create("qwen1.5-moe-a2.7b", lora_dropout=0.1).lora_dropout == 0.1
+
+
+def test_adapted_experts_keep_the_whole_stack_for_backward() -> None:
+    """With an adapter on the experts, PEFT makes W + B A of each fused weight for the forward
+    and the grouped matmul keeps it: without checkpointing every layer holds a copy of its
+    experts until backward."""
+    cfg = dict(MODEL_PRESETS["mixtral-8x7b"], num_hidden_layers=2, vocab_size=1024)
+    cfg.update(hidden_size=512, intermediate_size=1024, num_attention_heads=8)
+    cfg.update(num_key_value_heads=2)
+    full = estimate_memory(cfg, seq_len=256, grad_checkpointing=False)
+    attn = estimate_memory(cfg, seq_len=256, grad_checkpointing=False, targets="q_proj,k_proj")
+    stack = 4 * 8 * 3 * 512 * 1024  # gate_up_proj and down_proj, float32
+    # at the loss every layer's forward has run and none of its backward
+    assert full.phases["loss"] - attn.phases["loss"] >= 2 * stack
+    checkpointed = estimate_memory(cfg, seq_len=256)
+    assert checkpointed.phases["loss"] < full.phases["loss"] - 2 * stack
 
 
 def test_moe_experts_are_unquantized_float32_weights() -> None:

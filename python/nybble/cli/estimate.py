@@ -187,7 +187,8 @@ def render(est: MemoryEstimate, report: dict[str, Any]) -> str:
     moe = f", {a.num_experts} experts ({a.experts_per_token} per token)" if a.is_moe else ""
     head = (
         f"{a.name}: {a.num_parameters / 1e9:.2f}B parameters, {a.num_layers} layers{moe}, "
-        f"LoRA r={s.lora_r} on {len(s.targets)} kinds of linear layer "
+        f"LoRA r={s.lora_r} on {len(s.targets)} kinds of linear layer"
+        f"{' and the fused experts' if s.expert_targets else ''} "
         f"({report['lora_parameters'] / 1e6:.1f}M trainable)\n"
         f"{s.quant}{' +double quant' if s.double_quant else ''}, {s.optimizer}, batch {s.batch} "
         f"x {s.seq_len} tokens, gradient checkpointing "

@@ -44,7 +44,7 @@ BREAKDOWN_KEYS = (*TENSOR_PARTS, ALLOCATOR_CACHE, OUTSIDE_ALLOCATOR)
 DESCRIPTIONS = {
     QUANTIZED_WEIGHTS: "4-bit (or 8-bit) codes of the base model's linear layers",
     QUANT_CONSTANTS: "their scales (absmax), nested scales under double quantization",
-    UNQUANTIZED_WEIGHTS: "embeddings, lm_head, norms (float32 after PEFT's up-cast)",
+    UNQUANTIZED_WEIGHTS: "embeddings, lm_head, norms, MoE experts (float32 after PEFT's up-cast)",
     LORA_PARAMS: "the LoRA A and B matrices",
     GRADIENTS: "gradients of the LoRA matrices",
     OPTIMIZER_STATES: "optimizer states and the optimizer step's temporaries",

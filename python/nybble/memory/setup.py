@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .arch import PROJECTIONS, SHARED_EXPERT_GATE, Architecture
+from .arch import MLP_PROJECTIONS, PROJECTIONS, SHARED_EXPERT_GATE, Architecture
 from .presets import MODEL_PRESETS
 from .quant import QUANTIZED_FORMATS, check_blocksize, normalize_dtype, normalize_format
 
@@ -30,6 +30,20 @@ _OPTIMIZER_ALIASES = {
 }
 
 ModelLike = str | Path | Mapping[str, Any] | Architecture
+
+#: Names of `targets` that mean PEFT's "all-linear".
+ALL_LINEAR = ("all-linear", "all_linear", "all")
+
+#: Model types whose fused experts PEFT adapts under "all-linear" on transformers 5 (PEFT 0.21,
+#: peft.utils.transformers_weight_conversion): it maps the transformers 4 names the string
+#: stood for (the router `gate`, the experts' w1/w3 or gate_proj/up_proj, w2 or down_proj) to
+#: the fused parameters and wraps each in a `lora.ParamWrapper`. Mixtral is listed by PEFT
+#: itself, Qwen3-MoE through transformers' conversion table (as a Qwen2-MoE-style model);
+#: Qwen2-MoE is no key of that table, so its experts keep no adapter.
+PEFT_FUSED_EXPERT_TYPES = ("mixtral", "qwen3_moe")
+
+#: The fused parameters of a mixture-of-experts layer PEFT adapts (`Architecture.expert_shapes`).
+EXPERT_PARAMETERS = ("router", "gate_up_proj", "down_proj")
 
 #: The replay walks every layer of every step (about 7 ms a layer): deeper configs are refused
 #: rather than left running.
@@ -133,7 +147,7 @@ def resolve_targets(targets: str | Sequence[str], arch: Architecture) -> tuple[s
     present = arch.linear_names()
     if isinstance(targets, str):
         key = targets.strip().lower()
-        if key in ("all-linear", "all_linear", "all"):
+        if key in ALL_LINEAR:
             return present
         if key in ("attention", "attn"):
             return PROJECTIONS[:4]
@@ -193,6 +207,8 @@ class TrainingSetup:
     grad_checkpointing: bool
     compute_dtype: str
     loop: str = "plain"
+    #: the fused expert parameters PEFT adapts too (`EXPERT_PARAMETERS`, or none)
+    expert_targets: tuple[str, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -203,21 +219,51 @@ class TrainingSetup:
         return self.batch * self.seq_len
 
     def lora_tensors(self) -> list[int]:
-        """Element counts of every LoRA tensor: A then B of each target, layer by layer."""
+        """Element counts of every LoRA tensor, in the order of the model's parameters: layer
+        by layer, A then B of each target (`layer_lora_tensors`)."""
         out: list[int] = []
         for layer in range(self.arch.num_layers):
             out += self.layer_lora_tensors(layer)
         return out
 
+    @property
+    def lora_parameters(self) -> int:
+        """Trainable parameters: every LoRA tensor's elements."""
+        return sum(self.lora_tensors())
+
     def layer_lora_tensors(self, layer: int) -> list[int]:
-        """Element counts of the LoRA tensors of decoder layer `layer`: A then B per target."""
+        """Element counts of the LoRA tensors of decoder layer `layer`: A then B per target
+        linear, then those of the adapted expert parameters (`expert_lora_tensors`)."""
         shapes = self.arch.linear_shapes(layer)
         out: list[int] = []
         for t in self.targets:
             if t in shapes:
                 out_f, in_f = shapes[t]
                 out += [self.lora_r * in_f, out_f * self.lora_r]
+        if self.expert_targets and self.arch.is_sparse(layer):
+            for name in self.expert_order():
+                out += self.expert_lora_tensors(name)
         return out
+
+    def expert_order(self) -> tuple[str, ...]:
+        """The adapted expert parameters in the order of the model's modules: the router is
+        registered before the experts in Mixtral, after them in Qwen3-MoE."""
+        experts = tuple(n for n in EXPERT_PARAMETERS[1:] if n in self.expert_targets)
+        router = ("router",) if "router" in self.expert_targets else ()
+        return experts + router if self.arch.model_type == "qwen3_moe" else router + experts
+
+    def expert_rank(self, name: str) -> int:
+        """PEFT's rank for an expert parameter: `gate_up_proj` fuses two transformers 4 targets
+        (w1 and w3, gate_proj and up_proj), so its rank (and alpha) is doubled."""
+        return 2 * self.lora_r if name == "gate_up_proj" else self.lora_r
+
+    def expert_lora_tensors(self, name: str) -> list[int]:
+        """Element counts of A and B of PEFT's `lora.ParamWrapper` on expert parameter `name`
+        (`Architecture.expert_shapes`: experts x out x in): A is `nn.Linear(in, r * experts)`,
+        B `nn.Linear(r * experts, out)`; the router is one 2-D weight (experts out, hidden in)."""
+        experts, out_f, in_f = self.arch.expert_shapes()[name]
+        rank = self.expert_rank(name) * experts
+        return [rank * in_f, out_f * rank]
 
     @classmethod
     def create(
@@ -247,6 +293,17 @@ class TrainingSetup:
         fmt = normalize_format(quant)
         r = _positive_int(lora_r, "lora_r", MAX_LORA_R)
         tgt = resolve_targets(targets, arch)
+        experts: tuple[str, ...] = ()
+        if (
+            isinstance(targets, str)
+            and targets.strip().lower() in ALL_LINEAR
+            and arch.model_type in PEFT_FUSED_EXPERT_TYPES
+            and arch.num_sparse_layers
+        ):
+            # PEFT moves the MLP names to the fused parameters: a dense layer's MLP (Qwen3-MoE's
+            # mlp_only_layers) keeps no adapter
+            experts = EXPERT_PARAMETERS
+            tgt = tuple(t for t in tgt if t not in MLP_PROJECTIONS)
         for layer in (0, arch.num_layers - 1):
             shapes = arch.linear_shapes(layer)
             for t in tgt:
@@ -256,6 +313,12 @@ class TrainingSetup:
             raise ValueError(f"lora_dropout must be a number in [0, 1), got {lora_dropout!r}")
         if not 0.0 <= float(lora_dropout) < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}")
+        if experts and lora_dropout:
+            raise ValueError(
+                f"lora_dropout must be 0 with targets='all-linear' on {arch.model_type}: PEFT "
+                "adapts its fused experts with lora.ParamWrapper, which refuses dropout; to "
+                "use dropout, target the attention only (targets='q_proj,k_proj,v_proj,o_proj')"
+            )
         opt = str(optimizer).strip().lower()
         opt = _OPTIMIZER_ALIASES.get(opt, opt)
         if opt not in OPTIMIZERS:
@@ -275,6 +338,7 @@ class TrainingSetup:
             grad_checkpointing=bool(grad_checkpointing),
             compute_dtype=normalize_dtype(compute_dtype, "compute_dtype"),
             loop=_loop(loop),
+            expert_targets=experts,
         )
 
     def with_(self, **changes: Any) -> TrainingSetup:

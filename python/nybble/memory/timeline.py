@@ -93,8 +93,6 @@ class _Saved:
     def __init__(self, tape: Tape, grad: bool) -> None:
         self.tape, self.grad = tape, grad
         self.keys: dict[str, int] = {}
-        #: per expert of a mixture of experts: its token count and saved tensors
-        self.experts: list[tuple[int, int, int, int, int, int, int]] = []
 
     def put(self, name: str, key: int | None) -> None:
         if key is None:
@@ -153,40 +151,82 @@ class PeftBnbTimeline:
         tp.tag = UNQUANTIZED_WEIGHTS
         head = tp.new(2 * a.lm_head_params) if a.lm_head_params else None
         embed = tp.new(2 * a.embedding_params)
-        small = [tp.new(2 * n) for n in a.norm_sizes() * a.num_layers]
-        experts: list[tuple[int, int]] = []  # (key, elements) of the fused experts, routers
+        norms = [[tp.new(2 * n) for n in a.norm_sizes()] for _ in range(a.num_layers)]
+        # transformers 5's fused experts and the router, per sparse layer: bf16 parameters,
+        # not quantized (memory.arch)
+        experts: list[dict[str, int]] = []
         for layer in range(a.num_layers):
-            if a.is_sparse(layer):
-                # transformers 5's fused experts and the router: bf16 parameters, not
-                # quantized (memory.arch)
-                for e, o, i in a.expert_shapes().values():
-                    experts.append((tp.new(2 * e * o * i), e * o * i))
+            loaded: dict[str, int] = {}
+            if a.is_sparse(layer):  # by name: experts.down_proj, experts.gate_up_proj, gate
+                for name in ("down_proj", "gate_up_proj", "router"):
+                    e, o, i = a.expert_shapes()[name]
+                    loaded[name] = tp.new(2 * e * o * i)
+            experts.append(loaded)
             # a layer's weights load in the order of their names: mlp.* before self_attn.*
+            # (a shared expert's mlp.shared_expert.* before mlp.shared_expert_gate)
             shapes = a.linear_shapes(layer)
             for name in sorted(
-                shapes, key=lambda p: ("self_attn" if p in ATTENTION_PROJECTIONS else "mlp", p)
+                shapes,
+                key=lambda p: (
+                    "self_attn" if p in ATTENTION_PROJECTIONS else "mlp",
+                    p == SHARED_EXPERT_GATE,
+                    p,
+                ),
             ):
                 out_f, in_f = shapes[name]
                 self._load_linear(out_f * in_f, up)
         final = tp.new(2 * a.hidden_size)
-        # prepare_model_for_kbit_training: float32 copies of every unquantized weight
+        # prepare_model_for_kbit_training: float32 copies of every unquantized parameter, in
+        # the order of model.parameters(): the embeddings, then layer by layer (the attention's
+        # q/k norms, the MLP's router and experts, the two norms), the final norm, lm_head
         if s.quantized:
             self._upcast(embed, a.embedding_params)
+            sizes = a.norm_sizes()
+            shapes3 = a.expert_shapes()
+            for layer in range(a.num_layers):
+                for j in range(2, len(sizes)):  # q_norm, k_norm
+                    self._upcast(norms[layer][j], sizes[j])
+                for name in self._moe_param_order():
+                    if name in experts[layer]:
+                        e, o, i = shapes3[name]
+                        self._upcast(experts[layer][name], e * o * i)
+                for j in range(2):  # input_layernorm, post_attention_layernorm
+                    self._upcast(norms[layer][j], sizes[j])
+            self._upcast(final, a.hidden_size)
             if head:
                 self._upcast(head, a.lm_head_params)
-            for k, n in zip(small, a.norm_sizes() * a.num_layers, strict=True):
-                self._upcast(k, n)
-            for k, n in experts:
-                self._upcast(k, n)
-            self._upcast(final, a.hidden_size)
             tp.mark("empty_cache")
-        # PEFT: A and B of every target, float32 unless told otherwise
-        for n in s.lora_tensors():
+        # PEFT: A and B of every target, float32 unless told otherwise; the linear layers
+        # first, then the expert parameters (`lora.ParamWrapper`, a second pass)
+        for n in self._lora_setup_order():
             tp.new(self.lb * n, LORA_PARAMS)
         tp.tag = ACTIVATIONS
         if self.loop == "benchmark":
             for _ in range(3):  # input_ids, attention_mask, labels: made once, kept
                 tp.new(8 * self.t)
+
+    def _moe_param_order(self) -> tuple[str, ...]:
+        """A sparse layer's router and experts in the order the module registers them."""
+        if self.a.model_type == "qwen3_moe":
+            return ("gate_up_proj", "down_proj", "router")
+        return ("router", "gate_up_proj", "down_proj")
+
+    def _lora_setup_order(self) -> list[int]:
+        """Element counts of the LoRA tensors in the order PEFT makes them: every targeted
+        linear layer, layer by layer, then every targeted expert parameter."""
+        s = self.s
+        linear: list[int] = []
+        experts: list[int] = []
+        for layer in range(self.a.num_layers):
+            shapes = self.a.linear_shapes(layer)
+            for t in s.targets:
+                if t in shapes:
+                    out_f, in_f = shapes[t]
+                    linear += [s.lora_r * in_f, out_f * s.lora_r]
+            if s.expert_targets and self.a.is_sparse(layer):
+                for name in s.expert_order():
+                    experts += s.expert_lora_tensors(name)
+        return linear + experts
 
     def _load_linear(self, n: int, up: int) -> None:
         s, tp = self.s, self.tape
@@ -389,54 +429,29 @@ class PeftBnbTimeline:
         sv.put("prod", prod)
         return down
 
-    def _expert_tokens(self) -> list[int]:
-        """Tokens routed to each expert: tokens x experts_per_token spread evenly."""
-        a = self.a
-        routed = self.t * a.experts_per_token
-        base, extra = divmod(routed, a.num_experts)
-        return [base + (1 if j < extra else 0) for j in range(a.num_experts)]
-
     def _moe_forward(self, x: int, sv: _Saved) -> int:
-        """A mixture-of-experts MLP as transformers 5 runs it (MixtralSparseMoeBlock,
-        Qwen2MoeSparseMoeBlock): the shared expert, the router (float32 logits, softmax,
-        top-k), then each expert in turn on the tokens routed to it (gather, fused gate/up
-        matmul, silu * up, down matmul, times the routing weight, index_add_ into a zeroed
-        output). Written from the code, not yet checked against a trace (docs/estimator.md)."""
+        """A mixture-of-experts MLP as transformers 5.17 runs it (MixtralSparseMoeBlock,
+        Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock): the shared expert, the router
+        (float32 logits, softmax, top-k, the weights normalised in place), the experts
+        (`_experts_forward`), the shared expert's sigmoid gate. Written from the code of
+        transformers 5.17 and PEFT 0.21 and checked against measured peaks, not traces
+        (docs/estimator.md)."""
         a, tp, t, e = self.a, self.tape, self.t, self.e
         h, n_exp, k = a.hidden_size, a.num_experts, a.experts_per_token
         shared = None
         if a.shared_expert_intermediate_size:
             shared = self._mlp_forward(x, sv, a.shared_expert_intermediate_size)
+        router_w = self._router_weight() if self.s.expert_targets else None
         logits = tp.new(4 * t * n_exp)
         probs = tp.new(4 * t * n_exp)  # softmax keeps its output for backward
-        tp.free(logits)
         weights, index = tp.new(4 * t * k), tp.new(8 * t * k)
         tp.temp(4 * t)  # the weights' sum; they are divided by it in place
+        tp.free(logits)  # returned by the router, dropped by the block
         sv.put("router.probs", probs)
         sv.put("router.topk", index)
-        final = tp.new(e * t * h)  # zeros_like
-        mask = tp.new(8 * t * k * n_exp)  # one_hot of the chosen experts (int64)
-        tp.temp(8 * n_exp)
-        for n in self._expert_tokens():
-            if n == 0:
-                continue
-            pos, idx = tp.new(8 * n), tp.new(8 * n)  # torch.where(expert_mask[j])
-            cur = tp.new(e * n * h)  # hidden_states[token_idx]
-            gate_up = tp.new(4 * n * 2 * a.expert_intermediate_size)
-            act = tp.new(4 * n * a.expert_intermediate_size)
-            prod = tp.new(4 * n * a.expert_intermediate_size)
-            tp.free(cur)
-            down = tp.new(4 * n * h)
-            tp.free(prod)
-            w = tp.new(4 * n)  # top_k_weights[token_idx, top_k_pos, None]
-            weighted = tp.new(4 * n * h)
-            tp.free(weighted)  # added into the output in place
-            if sv.grad:
-                sv.experts.append((n, pos, idx, gate_up, act, down, w))
-            else:
-                tp.free(pos, idx, gate_up, act, down, w)
-        tp.free(mask)
-        sv.put("router.weights", weights)
+        sv.put("router.w", router_w)  # the linear keeps the adapted weight for backward
+        final = self._experts_forward(x, sv)
+        tp.free(weights)  # the block's reference; backward needs its indexed copy only
         if shared is None:
             return final
         gate = self._linear(x, SHARED_EXPERT_GATE, sv)  # one output per token
@@ -448,6 +463,82 @@ class PeftBnbTimeline:
         total = tp.new(e * t * h)
         tp.free(final, gated)
         return total
+
+    def _experts_forward(self, x: int, sv: _Saved) -> int:
+        """transformers 5's default experts implementation, `grouped_mm`
+        (integrations/moe.py): the token-expert pairs sorted by expert, the tokens gathered in
+        that order, one grouped matmul for every expert's gate and up projections (float32
+        weights: torch runs the grouped matmul as one mm per expert into one output), silu *
+        up, one for the down projection, times the routing weights, put back in token order
+        and summed over each token's experts. With PEFT's adapter on the experts
+        (`TrainingSetup.expert_targets`) each fused weight is replaced for the forward by
+        W + scaling * B A, a new tensor the size of the whole expert stack
+        (`_expert_weight`), which the grouped matmul keeps for backward."""
+        a, tp, t, e = self.a, self.tape, self.t, self.e
+        h, i = a.hidden_size, a.expert_intermediate_size
+        pairs = t * a.experts_per_token
+        adapted = bool(self.s.expert_targets)
+        ids, perm = tp.new(8 * pairs), tp.new(8 * pairs)  # torch.sort of the chosen experts
+        rows = tp.new(8 * pairs)  # perm // top_k
+        sel = tp.new(e * pairs * h)  # hidden_states[perm // top_k]
+        sv.put("moe.rows", rows)
+        sw = tp.new(4 * pairs)  # the routing weights in the same order
+        tp.temp(4 * pairs)  # the expert ids as int32 for histc
+        mask = tp.new(pairs)  # no pair is an expert-parallel sentinel here; the mask is made
+        w_gu = self._expert_weight("gate_up_proj") if adapted else None
+        gu = tp.new(e * pairs * 2 * i)
+        gum = tp.new(e * pairs * 2 * i)  # masked_fill: the grouped matmul's output dies
+        tp.free(gu)
+        act = tp.new(e * pairs * i)  # silu(gate)
+        prod = tp.new(e * pairs * i)  # * up
+        sv.put("moe.act", act)
+        sv.put("moe.gum", gum)  # silu and the product keep views of it
+        w_dn = self._expert_weight("down_proj") if adapted else None
+        dn = tp.new(e * pairs * h)
+        if adapted:  # the grouped matmul keeps its input for the weight's gradient
+            sv.put("moe.prod", prod)
+        else:
+            tp.free(prod)
+        dnm = tp.new(e * pairs * h)  # masked_fill
+        tp.free(dn)
+        weighted = tp.new(e * pairs * h)  # * routing weights
+        inv = tp.new(8 * pairs)  # the inverse permutation, from an arange
+        tp.temp(8 * pairs)
+        ordered = tp.new(e * pairs * h)  # weighted[inv_perm]
+        tp.free(weighted)
+        final = tp.new(e * t * h)  # .sum over each token's experts
+        # the function returns: its locals die unless autograd keeps them
+        tp.free(ids, ordered)
+        for name, key in (("perm", perm), ("sw", sw), ("dnm", dnm), ("inv", inv), ("mask", mask)):
+            sv.put("moe." + name, key)
+        if adapted:
+            sv.put("moe.sel", sel)
+        else:
+            tp.free(sel)
+        # parametrize's cache ends with PEFT's wrapper: W + B A lives on as a saved tensor
+        sv.put("moe.w_gu", w_gu)
+        sv.put("moe.w_dn", w_dn)
+        return final
+
+    def _expert_weight(self, name: str) -> int:
+        """PEFT's `lora.ParamWrapper` (one adapter, float32 weight): for the forward the fused
+        parameter becomes `baddbmm(W, B, A, alpha=scaling)`, a new tensor of its full size;
+        B's view (experts x out x rank, permuted) is copied contiguous for the batched
+        matmul."""
+        experts, out_f, in_f = self.a.expert_shapes()[name]
+        rank = self.s.expert_rank(name)
+        w = self.tape.new(self.e * experts * out_f * in_f)
+        self.tape.temp(self.lb * experts * out_f * rank)
+        return w
+
+    def _router_weight(self) -> int:
+        """The adapted router weight for its forward: W + (B @ A) * scaling (experts x
+        hidden; a 2-D parameter, so PEFT builds the delta and adds it)."""
+        tp, n = self.tape, self.a.num_experts * self.a.hidden_size
+        delta = tp.new(self.lb * n)
+        w = tp.new(self.e * n)
+        tp.free(delta)
+        return w
 
     def _mlp_backward(self, g: int, sv: _Saved, inter: int, into: int | None = None) -> int:
         """The gated MLP's backward, in autograd's order: down_proj, the product, up_proj,
@@ -466,48 +557,108 @@ class PeftBnbTimeline:
         return self._linear_backward(ggate, "gate_proj", sv, last_of="xn2", into=gu)
 
     def _moe_backward(self, g: int, sv: _Saved) -> int:
-        """The mixture of experts' backward: the shared expert and its gate, each expert in
-        reverse order (the gradient of its tokens gathered, through the routing weight, the
-        two matmuls and silu, scattered back into a full-size gradient that is summed into
-        the input's), then the router (softmax and top-k)."""
+        """The mixture of experts' backward in autograd's order (the nodes made last run
+        first): the shared expert's sigmoid gate, the experts (`_experts_backward`), the router
+        (top-k, softmax, its linear), then the shared expert's MLP. The input's gradient is
+        the first branch's; the others are added into it."""
         a, tp, t, e = self.a, self.tape, self.t, self.e
-        h, i = a.hidden_size, a.expert_intermediate_size
-        gx = tp.new(4 * t * h)  # the input's gradient, summed over the branches
+        h, n_exp = a.hidden_size, a.num_experts
+        gx: int | None = None
+        gshared = None
         if a.shared_expert_intermediate_size:
-            gshared = tp.new(e * t * h)  # g * sigmoid(gate)
+            gshared = tp.new(e * t * h)  # g * sigmoid(gate), waiting for the shared MLP
             gsig = tp.new(4 * t)
             tp.free(sv.pop("shared.sig"), sv.pop("shared.out"))
             ggate = tp.new(4 * t)
             tp.free(gsig)
-            self._linear_backward(ggate, SHARED_EXPERT_GATE, sv, into=gx)
+            gx = self._linear_backward(ggate, SHARED_EXPERT_GATE, sv)
+        gweights, gexp = self._experts_backward(sv)
+        gx = self._add_into(gx, gexp)
+        gprobs = tp.new(4 * t * n_exp)  # top-k backward scatters into zeros
+        tp.free(gweights, sv.pop("router.topk"))
+        glogits = tp.new(4 * t * n_exp)
+        tp.free(gprobs, sv.pop("router.probs"))
+        grouter = tp.new(e * t * h)  # through the router's weight
+        if self.s.expert_targets:
+            tp.temp(4 * n_exp * h)  # the adapted weight's gradient, into its A and B
+            r = self.s.lora_r
+            self.lora_grads.append(tp.new(self.lb * r * h, GRADIENTS))
+            self.lora_grads.append(tp.new(self.lb * n_exp * r, GRADIENTS))
+        tp.free(glogits, sv.pop("router.w"))
+        gx = self._add_into(gx, grouter)
+        if gshared is not None:
             self._mlp_backward(gshared, sv, a.shared_expert_intermediate_size, into=gx)
             tp.free(gshared)
-        gweights = tp.new(4 * t * a.experts_per_token)
-        for n, pos, idx, gate_up, act, down, w in reversed(sv.experts):
-            gw_out = tp.new(4 * n * h)  # grad[token_idx]
-            gdown, gw = tp.new(4 * n * h), tp.new(4 * n)
-            tp.free(gw_out, down, w)
-            gprod = tp.new(4 * n * i)
-            tp.free(gdown)
-            gact, gup = tp.new(4 * n * i), tp.new(4 * n * i)
-            tp.free(gprod, act)
-            ggate = tp.new(4 * n * i)
-            tp.free(gact)
-            ggu = tp.new(4 * n * 2 * i)  # the two halves' gradients concatenated
-            tp.free(ggate, gup, gate_up)
-            gcur = tp.new(4 * n * h)
-            tp.free(ggu)
-            scattered = tp.new(4 * t * h)  # index backward: zeros with the rows put in
-            tp.free(gcur, scattered, gw, pos, idx)
-        sv.experts = []
-        tp.free(sv.pop("router.weights"))
-        gprobs = tp.new(4 * t * a.num_experts)  # top-k backward scatters into zeros
-        tp.free(gweights, sv.pop("router.topk"))
-        glogits = tp.new(4 * t * a.num_experts)
-        tp.free(gprobs, sv.pop("router.probs"))
-        grouter = tp.new(4 * t * h)  # through the router's (frozen) weight
-        tp.free(glogits, grouter)
         return gx
+
+    def _add_into(self, acc: int | None, g: int) -> int:
+        """A gradient reaching an input that already has one is added into it in place."""
+        if acc is None:
+            return g
+        self.tape.free(g)
+        return acc
+
+    def _experts_backward(self, sv: _Saved) -> tuple[int, int]:
+        """`_experts_forward` backward: the sum and the reordering, the routing weights (their
+        gradient too), the down projection (with an adapter, the whole stack's weight
+        gradient, into B and A), silu * up, the gate/up projection (the same), the gather.
+        Returns the routing weights' and the input's gradients."""
+        a, tp, t, e = self.a, self.tape, self.t, self.e
+        h, i = a.hidden_size, a.expert_intermediate_size
+        pairs = t * a.experts_per_token
+        adapted = bool(self.s.expert_targets)
+        gw = tp.new(e * pairs * h)  # weighted[inv_perm]'s backward: zeros, rows put in
+        tp.free(sv.pop("moe.inv"))
+        gdnm = tp.new(e * pairs * h)  # grad * routing weight
+        tp.temp(e * pairs * h)  # grad * output, summed into the weights' gradient
+        gsw = tp.new(4 * pairs)
+        tp.free(gw, sv.pop("moe.dnm"))
+        gdn = tp.new(e * pairs * h)  # masked_fill
+        tp.free(gdnm)
+        gprod = tp.new(e * pairs * i)  # the grouped matmul's input gradient
+        gwdn = self._expert_weight_grad("down_proj") if adapted else None
+        tp.free(gdn, sv.pop("moe.prod"), sv.pop("moe.w_dn"))
+        if gwdn is not None:
+            self._expert_weight_backward("down_proj", gwdn)
+        gact, gup = tp.new(e * pairs * i), tp.new(e * pairs * i)
+        tp.free(gprod, sv.pop("moe.act"))
+        ggate = tp.new(e * pairs * i)  # silu
+        tp.free(gact)
+        ggu = tp.new(e * pairs * 2 * i)  # the two halves' gradients concatenated
+        tp.free(ggate, gup, sv.pop("moe.gum"))
+        ggum = tp.new(e * pairs * 2 * i)  # masked_fill
+        tp.free(ggu)
+        gsel = tp.new(e * pairs * h)
+        gwgu = self._expert_weight_grad("gate_up_proj") if adapted else None
+        tp.free(ggum, sv.pop("moe.sel"), sv.pop("moe.w_gu"))
+        gsel_m = tp.new(e * pairs * h)  # the gathered tokens' in-place masked_fill_
+        tp.free(gsel, sv.pop("moe.mask"))
+        if gwgu is not None:
+            self._expert_weight_backward("gate_up_proj", gwgu)
+        gweights = tp.new(4 * t * a.experts_per_token)  # sample_weights[perm]'s backward
+        tp.free(gsw, sv.pop("moe.sw"), sv.pop("moe.perm"))
+        gexp = tp.new(e * t * h)  # hidden_states[perm // top_k]'s: zeros, rows added in
+        tp.free(gsel_m, sv.pop("moe.rows"))
+        return gweights, gexp
+
+    def _expert_weight_grad(self, name: str) -> int:
+        """The grouped matmul's weight gradient: one tensor the size of the expert stack."""
+        experts, out_f, in_f = self.a.expert_shapes()[name]
+        return self.tape.new(self.e * experts * out_f * in_f)
+
+    def _expert_weight_backward(self, name: str, grad: int) -> None:
+        """baddbmm's backward into the LoRA factors: grad @ A^T (B's gradient, then made
+        contiguous in B's layout) and B^T @ grad (A's, as it is); B's permuted view is copied
+        contiguous again for the batched matmul."""
+        tp, lb = self.tape, self.lb
+        experts, out_f, in_f = self.a.expert_shapes()[name]
+        rank = self.s.expert_rank(name) * experts
+        glhs = tp.new(lb * out_f * rank)
+        tp.temp(lb * out_f * rank)
+        self.lora_grads.append(tp.new(lb * rank * in_f, GRADIENTS))
+        tp.free(grad)
+        self.lora_grads.append(tp.new(lb * out_f * rank, GRADIENTS))
+        tp.free(glhs)
 
     # --- backward ops ----------------------------------------------------------------
 
