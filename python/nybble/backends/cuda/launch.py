@@ -212,8 +212,11 @@ def quantize(
     absmax = cp.empty(-(-n // blocksize), cp.float32)
     if n == 0:
         return codes, absmax
-    # Filled on the device, no wait; unread without the check, so then not filled at all.
-    first_bad = cp.full(1, np.uint64(_NONE), cp.uint64) if check_finite else cp.empty(1, cp.uint64)
+    # Set on the device, no wait (all bits set is _NONE: a memset, cheaper to ask for than a
+    # fill kernel); unread without the check, so then not set at all.
+    first_bad = cp.empty(1, cp.uint64)
+    if check_finite:
+        first_bad.data.memset_async(0xFF, 8)
     args = (
         x,
         np.int64(n),
