@@ -503,6 +503,14 @@ def test_totals_are_within_3_percent_of_the_validation_run() -> None:
             assert abs(off) <= 0.01 * rec["measured_reserved"], (rec["run"], off)
 
 
+def test_the_margin_covers_every_validation_run() -> None:
+    """Each measured total is at most the estimate plus its margin, and the margin is no more
+    than 1% of the reserved peak (at least 20 MiB, in whole 2 MiB)."""
+    for rec, est in _validation_estimates():
+        assert rec["measured_total"] <= est.total_bytes + est.margin_bytes, rec["run"]
+        assert est.margin_bytes <= max(20 * MiB, est.reserved_peak_bytes // 100 + 2 * MiB)
+
+
 def test_every_step_of_the_validation_run_is_replayed() -> None:
     """The replay's reserved peak of steps 1 to 3 against the measured ones: within 1% (the
     tiny model aside) at every step, so also where step 1 reserves less than step 2."""

@@ -209,10 +209,9 @@ def render(est: MemoryEstimate, report: dict[str, Any]) -> str:
         f"GiB ({est.context_source})"
     )
     lines.append(
-        f"margin: a run whose allocator history differs may reserve up to "
-        f"{_gib(est.margin_bytes)} GiB more (one more block for the step's largest tensor): "
-        f"plan with {_gib(est.total_bytes)} GiB, {_gib(est.total_bytes + est.margin_bytes)} GiB "
-        "to be safe"
+        f"margin: {_gib(est.margin_bytes)} GiB covers the most a measured run held beyond its "
+        f"estimate (1% of the reserved peak, at least 20 MiB): plan with "
+        f"{_gib(est.total_bytes)} GiB, {_gib(est.total_bytes + est.margin_bytes)} GiB to be safe"
     )
     lines += [f"note: {n}" for n in est.notes]
     gpu = report.get("gpu")

@@ -41,8 +41,9 @@ class MemoryEstimate:
     named parts (docs/estimator.md) that add up to it exactly: the tensors alive at the step's
     allocated peak (`peak_phase`), the allocator's free blocks at that moment, the outside part.
     `allocated_peak_bytes` leaves out the allocator's cached blocks, `reserved_peak_bytes` the
-    outside part. `margin_bytes` is what the allocator's history can add on top: plan with
-    `total_bytes`, and know that a run whose blocks land otherwise may need that much more.
+    outside part. `margin_bytes` covers what the validation run's processes held beyond their
+    estimates (1% of the reserved peak, at least 20 MiB; docs/estimator.md): plan with
+    `total_bytes`, and with `total_bytes + margin_bytes` where even that shortfall matters.
     """
 
     setup: TrainingSetup

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .allocator import CachingAllocator, OutOfMemoryError, allocation_size, round_size
+from .allocator import CachingAllocator, OutOfMemoryError, round_size
 
 
 @dataclass
@@ -40,13 +40,6 @@ class StepPeaks:
     def parts(self) -> dict[str, int]:
         """Allocated bytes by part at the step's allocated peak."""
         return dict(self.phases[self.peak_phase][1]) if self.phases else {}
-
-    @property
-    def history_margin(self) -> int:
-        """One more segment for the step's largest request: what a different allocator history
-        (blocks placed otherwise, so that no cached block fits it) can add to the reserved peak
-        (docs/estimator.md)."""
-        return allocation_size(round_size(self.largest_request)) if self.largest_request else 0
 
 
 class TaggedReplay:
