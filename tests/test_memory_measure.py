@@ -44,6 +44,26 @@ def test_the_sets_cover_what_the_validation_needs() -> None:
         assert compare.estimate_for(dict(r, config=measure.ARCHS[r["arch"]])).total_bytes > 0
 
 
+def test_follow_up_sets_are_new_and_only_run_when_named() -> None:
+    """The MoE configurations held out of the expert model repeat no measured one; neither
+    follow-up set is in the default run."""
+    default = measure.select(list(measure.SETS), ["plain"])
+    assert not {r["set"] for r in default} & set(measure.FOLLOW_UP_SETS)
+    runs = measure.select(list(measure.FOLLOW_UP_SETS), ["plain"])
+    held = [r for r in runs if r["set"] == "moe-holdout"]
+    assert len(held) == len(measure.MOE_HOLDOUT_CONFIGS) >= 4
+    measured = {measure.config_id(c) for c in measure.MOE_CONFIGS}
+    assert not measured & {measure.config_id(r) for r in held}
+    growth = [r for r in runs if r["set"] == "growth"]
+    assert {(r["loop"], bool(r.get("trace"))) for r in growth} == {
+        ("plain", True),
+        ("benchmark", False),
+    }
+    for r in runs:
+        est = compare.estimate_for(dict(r, config=measure.ARCHS[r["arch"]]))
+        assert 0 < est.total_bytes < measure.rough_peak_bytes(r)
+
+
 def test_the_steady_state_is_the_largest_step_from_the_second() -> None:
     steps = [
         dict(step=1, peak_reserved=100, peak_allocated=90, outside=10),
