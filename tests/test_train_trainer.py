@@ -240,6 +240,20 @@ def test_bad_settings_are_value_errors(kwargs: dict[str, Any]) -> None:
         make(**kwargs)
 
 
+def test_non_finite_training_is_refused_before_an_update() -> None:
+    from nybble.errors import NonFiniteError
+
+    t = make()
+    layer = next(iter(t.lora_layers().values()))
+    layer.lora_a[0, 0] = np.inf
+    before = t.named_parameters()["model.layers.1.mlp.down_proj.lora_A.weight"].copy()
+    with pytest.raises(NonFiniteError):
+        t.train_batch(X, Y)
+    assert t.step == 0 and t.micro_steps == 0
+    after = t.named_parameters()["model.layers.1.mlp.down_proj.lora_A.weight"]
+    np.testing.assert_array_equal(after, before)
+
+
 def test_train_epoch_needs_batches() -> None:
     with pytest.raises(ValueError):
         make().train_epoch([])

@@ -1,0 +1,163 @@
+"""The trainer on the GPU (CuPy), marked `gpu`: the fused softmax and SwiGLU kernels against the
+same math in CuPy (float32 and bfloat16), the GPU model against the CPU one (float32 close,
+bfloat16 within its rounding), determinism, exact resumption from a checkpoint, gradient
+checkpointing, and NaN inputs refused. The convergence contracts and the gradient checks run
+on the GPU from tests/test_train_contracts.py and tests/test_train_gradients.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nybble import LoraConfig
+from nybble.train import Trainer, TransformerConfig, corpus_batch
+from nybble.train import functional as F
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float32": (np.float32, 1e-5), "bfloat16": (ml_dtypes.bfloat16, 2e-2)}
+
+
+def cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def host(a: Any) -> np.ndarray:
+    return np.asarray(cupy().asnumpy(a), dtype=np.float64)
+
+
+def close(got: Any, want: Any, tol: float) -> None:
+    g, w = host(got), host(want)
+    scale = max(float(np.abs(w).max()), 1e-30)
+    assert float(np.abs(g - w).max()) <= tol * scale
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("t0", [0, 6])
+def test_fused_softmax_equals_the_cupy_math(dtype: str, window: int | None, t0: int) -> None:
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    batch, group, positions = 3, 2, 16
+    rows, keys = 5 * group, t0 + 5  # a chunk of 5 positions from t0
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((batch, rows, keys)) * 3
+    dp = rng.standard_normal((batch, rows, keys))
+    delta = rng.standard_normal((batch, positions * group)).astype(np.float32)
+    fused, plain = _cuda.FusedSoftmax(), F.SoftmaxKernels(cp)
+    results = []
+    for kernels in (fused, plain):
+        sd = cp.asarray(s.astype(np_dtype))
+        lse = cp.zeros((batch, positions * group), cp.float32)
+        kernels.forward(sd, lse, t0, group, window, 0.3)
+        p = sd.copy()
+        sb, dpb = cp.asarray(s.astype(np_dtype)), cp.asarray(dp.astype(np_dtype))
+        kernels.backward(sb, dpb, lse, cp.asarray(delta), t0, group, window, 0.3)
+        results.append((p, lse, sb, dpb))
+    for got, want in zip(results[0], results[1], strict=True):
+        close(got, want, tol)
+    p = host(results[0][0])
+    assert np.allclose(p.sum(-1), 1, atol=tol * 4)
+    pos = t0 + np.arange(rows) // group
+    assert np.all(p[:, np.arange(keys)[None, :] > pos[:, None]] == 0)  # causal
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_fused_gate_equals_the_cupy_math(dtype: str) -> None:
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    rng = np.random.default_rng(1)
+    g, u, da = (cp.asarray((rng.standard_normal((37, 53)) * 4).astype(np_dtype)) for _ in "gud")
+    plain = F.GateKernels(cp)
+    close(_cuda.FusedGate().forward(g, u), plain.forward(g, u), tol)
+    want = plain.backward(da, g, u)
+    got = _cuda.FusedGate().backward(da, g.copy(), u.copy())
+    for a, b in zip(got, want, strict=True):
+        close(a, b, tol)
+
+
+def train(t: Trainer, n: int, start: int = 0) -> list[float]:
+    return [t.train_batch(*corpus_batch(i, 4, 32)) for i in range(start, start + n)]
+
+
+@pytest.mark.parametrize("quant", [None, "nf4"])
+def test_gpu_float32_follows_the_cpu(quant: str | None) -> None:
+    lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
+    cpu = train(Trainer(TransformerConfig.tiny(), lora, lr=0.01, quant=quant), 10)
+    gpu = Trainer(TransformerConfig.tiny(), lora, lr=0.01, quant=quant, device="cuda")
+    assert gpu.compute_dtype == "bfloat16"
+    gpu32 = Trainer(
+        TransformerConfig.tiny(), lora, lr=0.01, quant=quant, device="cuda", compute_dtype="float32"
+    )
+    np.testing.assert_allclose(train(gpu32, 10), cpu, rtol=1e-4)
+    np.testing.assert_allclose(train(gpu, 10), cpu, rtol=2e-2)
+
+
+def test_gpu_runs_are_deterministic_and_resume_exactly(tmp_path: Path) -> None:
+    lora = LoraConfig(r=8, alpha=16, dropout=0.1, target_modules="all-linear")
+
+    def make() -> Trainer:
+        return Trainer(TransformerConfig.tiny(), lora, lr=0.01, quant="nf4", device="cuda")
+
+    a = make()
+    first = train(a, 5)
+    a.save_checkpoint(tmp_path / "c.safetensors")
+    rest = train(a, 5, 5)
+    b = make()
+    assert train(b, 5) == first
+    c = make()
+    c.load_checkpoint(tmp_path / "c.safetensors")
+    assert train(c, 5, 5) == rest
+
+
+def test_gpu_gradient_checkpointing_and_fused_kernels_match() -> None:
+    cfg = TransformerConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        model_type="qwen3",
+    )
+    lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
+    plain = train(Trainer(cfg, lora, lr=0.01, quant="nf4", device="cuda"), 4)
+    ckpt = Trainer(cfg, lora, lr=0.01, quant="nf4", device="cuda", gradient_checkpointing=True)
+    assert train(ckpt, 4) == plain
+    unfused = Trainer(cfg, lora, lr=0.01, quant="nf4", device="cuda")
+    unfused.model.use_fused_kernels(False)
+    np.testing.assert_allclose(train(unfused, 4), plain, rtol=2e-2)
+
+
+def test_gpu_attention_chunks_agree() -> None:
+    """Many small chunks of queries give the one-chunk result (float32)."""
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    one = Trainer(TransformerConfig.tiny(), lora, device="cuda", compute_dtype="float32")
+    many = Trainer(TransformerConfig.tiny(), lora, device="cuda", compute_dtype="float32")
+    many.model.attention_chunk_elements = 200
+    many.model.head_chunk_elements = 600
+    np.testing.assert_allclose(train(many, 3), train(one, 3), rtol=1e-5)
+
+
+def test_gpu_non_finite_weights_are_refused() -> None:
+    from nybble.errors import NonFiniteError
+
+    t = Trainer(TransformerConfig.tiny(), LoraConfig(r=4, alpha=8), device="cuda")
+    layer = next(iter(t.lora_layers().values()))
+    layer.lora_a[0, 0] = np.nan
+    with pytest.raises(NonFiniteError):
+        train(t, 1)
+    assert t.step == 0
