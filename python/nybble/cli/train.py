@@ -21,6 +21,7 @@ from ..train.data import CORPUS_BYTES
 from ._common import CliError, print_json
 
 CHECKPOINT = "checkpoint.safetensors"
+CONFIG = "config.json"
 LOSSES = "losses.json"
 PLOT = "loss.png"
 #: The corpus and the way batches are drawn from it; a resumed run must use the same.
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.resume:
         print(f"nybble train: no checkpoint in {out}; starting a new run", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out, (CHECKPOINT, LOSSES, PLOT))
+    remove_stale_temporaries(out, (CHECKPOINT, CONFIG, LOSSES, PLOT))
 
     micro_total = args.steps * args.accumulation
     tokens_per_batch = args.batch_size * args.seq_len
@@ -258,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     with atomic_write(out / LOSSES, "w") as f:
         json.dump({**summary, "losses": losses}, f, indent=1)
         f.write("\n")
-    with atomic_write(out / "config.json", "w") as f:
+    with atomic_write(out / CONFIG, "w") as f:
         json.dump(trainer.config.to_hf(), f, indent=2)
         f.write("\n")
     if trainer.is_lora:
