@@ -297,3 +297,51 @@ def test_bad_matmul_arguments() -> None:
     with pytest.raises(ValueError, match=r"y: expected shape \(2, 64\)"):
         checked(x, cp.empty((64, 2), cp.float32))
     cp.cuda.Device().synchronize()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "prefix", "copied"])
+def test_batched_matmul_against_float64(dtype: str, view: str) -> None:
+    """The batched product attention uses, for the views it passes: transposed matrices,
+    a prefix of the rows of each (`k[:, :t]`), and strides cuBLAS cannot take (copied)."""
+    import cupy
+
+    from nybble.backends import get
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((6, 9, 16)).astype(np_dtype)
+    full = rng.standard_normal((6, 20, 16)).astype(np_dtype)
+    b_host = {
+        "contiguous": full[:, :16, :].copy(),
+        "transposed": full.transpose(0, 2, 1)[:, :, :11],
+        "prefix": full[:, :16, :11],
+        "copied": full[:, ::-1, :].transpose(0, 2, 1)[:, :, ::2],
+    }[view]
+    b_dev = {
+        "contiguous": cupy.asarray(full[:, :16, :].copy()),
+        "transposed": cupy.asarray(full).transpose(0, 2, 1)[:, :, :11],
+        "prefix": cupy.asarray(full)[:, :16, :11],
+        "copied": cupy.asarray(full)[:, ::-1, :].transpose(0, 2, 1)[:, :, ::2],
+    }[view]
+    got = get("cuda").batched_matmul(cupy.asarray(a), b_dev)
+    want = np.matmul(a.astype(np.float64), np.asarray(b_host, np.float64))
+    assert got.dtype == np.dtype(np_dtype) and got.shape == want.shape
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(
+        cupy.asnumpy(got).astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max()
+    )
+
+
+def test_batched_matmul_refuses_mixed_dtypes_and_bad_shapes() -> None:
+    import cupy
+
+    from nybble.backends.cuda import blas
+
+    a = cupy.ones((2, 3, 4), cupy.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        blas.gemm_batched(a, cupy.ones((2, 4, 5), cupy.float16))
+    with pytest.raises(ValueError, match="do not chain"):
+        blas.gemm_batched(a, cupy.ones((2, 5, 5), cupy.float32))
+    assert blas.gemm_batched(a, cupy.ones((2, 4, 0), cupy.float32)).shape == (2, 3, 0)
+    assert float(blas.gemm_batched(a[:, :, :0], cupy.ones((2, 0, 5), cupy.float32)).sum()) == 0

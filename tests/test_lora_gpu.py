@@ -204,3 +204,43 @@ def test_layers_return_the_dtype_they_are_given(dtype: str) -> None:
         gx = layer.backward(cupy.ones_like(y))
         assert y.dtype == x.dtype and gx.dtype == x.dtype
         assert layer.grad_a.dtype == np.float32 and layer.grad_b.dtype == np.float32
+
+
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_gpu_dropout_is_inverted_dropout_on_the_lora_branch(
+    kind: str, dtype: str, tol: float
+) -> None:
+    """Training-mode dropout on the GPU (mask drawn on the device, in the input's dtype):
+    y = x Wᵀ + s·(x ⊙ keep) Aᵀ Bᵀ with keep 1/(1-p) or 0, and A's gradient through the same
+    mask; in eval mode no mask."""
+    import cupy
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    p = 0.25
+    cfg = LoraConfig(r=4, alpha=8, dropout=p)
+    layer = (LoraLinear if kind == "lora" else QLoraLinear)(w, cfg).cuda()
+    layer.lora_b[...] = cupy.asarray(rng.standard_normal((32, 4)).astype(np.float32))
+    x = cupy.asarray(rng.standard_normal((16, 64)).astype(np_dtype))
+    y = layer.forward(x)
+    assert y.dtype == np.dtype(np_dtype)
+    keep = f64(layer._calls.cache["keep"])
+    assert set(np.unique(keep)) == {0.0, float(np.array(1.0 / (1.0 - p)).astype(np_dtype))}
+    assert 0.5 < float((keep > 0).mean()) < 0.95
+    gy = rng.standard_normal((16, 32))
+    layer.backward(cupy.asarray(gy.astype(np_dtype)))
+
+    base = f64(layer.dequantize_weight()) if kind == "qlora" else w.astype(np.float64)
+    a, b, xs = f64(layer.lora_a), f64(layer.lora_b), f64(x)
+    want = xs @ base.T + layer.scaling * (xs * keep) @ a.T @ b.T
+    np.testing.assert_allclose(f64(y), want, atol=tol * np.abs(want).max())
+    grad_a = layer.scaling * (gy @ b).T @ (xs * keep)
+    got_a = f64(layer.gradients()["lora_A.weight"])
+    np.testing.assert_allclose(got_a, grad_a, atol=tol * np.abs(grad_a).max())
+
+    layer.training = False
+    xs_eval = layer.forward(x)
+    want_eval = xs @ base.T + layer.scaling * xs @ a.T @ b.T
+    np.testing.assert_allclose(f64(xs_eval), want_eval, atol=tol * np.abs(want_eval).max())

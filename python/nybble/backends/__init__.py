@@ -112,6 +112,11 @@ class Backend(Protocol):
         `out`."""
         ...
 
+    def batched_matmul(self, a: Any, b: Any) -> Any:
+        """a @ b for 3-D a [n, m, k], b [n, k, p] of one dtype (any strides): a new [n, m, p]
+        array of that dtype (16-bit ones summed in float32)."""
+        ...
+
     def quantized_matmul(
         self,
         x: Any,

@@ -155,6 +155,13 @@ class CpuBackend:
 
     # --- layer math (float32) ------------------------------------------------------------
 
+    def batched_matmul(self, a: Any, b: Any) -> np.ndarray:
+        if a.dtype != b.dtype:
+            raise ValueError(f"batched_matmul: operands of one dtype, got {a.dtype} and {b.dtype}")
+        if a.dtype.itemsize == 2:  # numpy has no fast 16-bit product: float32, rounded once
+            return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(a.dtype)
+        return np.matmul(a, b)
+
     def matmul(
         self,
         a: Any,

@@ -382,8 +382,10 @@ class _LoraLayer:
         p = self.config.dropout
         if not self.training or p == 0.0:
             return None
-        keep = self._dropout_rng.random(shape, dtype=np.float32) >= np.float32(p)
-        return keep.astype(dtype) * np.asarray(1.0 / (1.0 - p), dtype=dtype)
+        keep = (self._dropout_rng.random(shape, dtype=np.float32) >= np.float32(p)).astype(dtype)
+        # A Python float keeps the mask's dtype; CuPy takes no 0-d numpy array as an operand.
+        keep *= 1.0 / (1.0 - p)
+        return keep
 
     def forward(self, x: Any, out: Any = None) -> Any:
         """y = x Wᵀ + s·dropout(x) Aᵀ Bᵀ (+ bias) for x of shape [in] or [..., in], in x's

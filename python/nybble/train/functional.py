@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import backends
 from .config import TransformerConfig
 
 Array = Any
@@ -253,14 +254,15 @@ def attention_forward(
     b, kv, t, group, d = q.shape
     nb = b * kv
     qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
+    bmm = backends.of(q).batched_matmul
     out = xp.empty((b, t, kv, group, d), q.dtype)
     lse = xp.empty((nb, t * group), accumulate_dtype(q.dtype))
     for t0, t1 in attention_chunks(nb, t, group, chunk_elements):
         rows = (t1 - t0) * group
         qc = qb[:, t0:t1].reshape(nb, rows, d)
-        s = xp.matmul(qc, kb[:, :t1].transpose(0, 2, 1))
+        s = bmm(qc, kb[:, :t1].transpose(0, 2, 1))
         softmax.forward(s, lse, t0, group, window, scale)
-        oc = xp.matmul(s, vb[:, :t1])
+        oc = bmm(s, vb[:, :t1])
         out[:, t0:t1] = oc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
     return out, lse
 
@@ -289,6 +291,7 @@ def attention_backward(
     delta = xp.ascontiguousarray(delta.transpose(0, 2, 1, 3)).reshape(nb, t * group)
     dob = xp.ascontiguousarray(do.transpose(0, 2, 1, 3, 4)).reshape(nb, t, group, d)
     qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
+    bmm = backends.of(q).batched_matmul
     dq = xp.empty((b, t, kv, group, d), do.dtype)
     dk = xp.zeros((nb, t, d), acc)
     dv = xp.zeros((nb, t, d), acc)
@@ -296,12 +299,12 @@ def attention_backward(
         rows = (t1 - t0) * group
         qc = qb[:, t0:t1].reshape(nb, rows, d)
         doc = dob[:, t0:t1].reshape(nb, rows, d)
-        s = xp.matmul(qc, kb[:, :t1].transpose(0, 2, 1))
-        dp = xp.matmul(doc, vb[:, :t1].transpose(0, 2, 1))
+        s = bmm(qc, kb[:, :t1].transpose(0, 2, 1))
+        dp = bmm(doc, vb[:, :t1].transpose(0, 2, 1))
         softmax.backward(s, dp, lse, delta, t0, group, window, scale)
-        dv[:, :t1] += xp.matmul(s.transpose(0, 2, 1), doc).astype(acc, copy=False)
-        dk[:, :t1] += xp.matmul(dp.transpose(0, 2, 1), qc).astype(acc, copy=False)
-        dqc = xp.matmul(dp, kb[:, :t1])
+        dv[:, :t1] += bmm(s.transpose(0, 2, 1), doc).astype(acc, copy=False)
+        dk[:, :t1] += bmm(dp.transpose(0, 2, 1), qc).astype(acc, copy=False)
+        dqc = bmm(dp, kb[:, :t1])
         dq[:, t0:t1] = dqc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
     dk_out = dk.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)
     dv_out = dv.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)

@@ -162,6 +162,11 @@ class CudaBackend:
             out[...] = r
         return out
 
+    def batched_matmul(self, a: Any, b: Any) -> Any:
+        if dtype_name(a.dtype) in blas.DTYPES and a.dtype == b.dtype:
+            return blas.gemm_batched(a, b)
+        return a @ b  # float64 (gradient checks): CuPy's own GEMM
+
     def quantized_matmul(
         self,
         x: Any,

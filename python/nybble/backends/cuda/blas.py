@@ -1,8 +1,9 @@
-"""One GEMM on the GPU: `out = alpha * a @ b + beta * out` through cublasGemmEx, with float32
+"""GEMMs on the GPU: `out = alpha * a @ b + beta * out` through cublasGemmEx, with float32
 sums for every input dtype and an output dtype of its own (bfloat16 products into a float32
 gradient, say). CuPy's `@` writes a new array and scales or adds in further passes over it;
 doing it in the GEMM saves those passes, which in a LoRA layer at 4096 tokens are as long as
-its small products."""
+its small products. `gemm_batched` is the batched product (cublasGemmStridedBatchedEx) that
+attention needs: CuPy's own `matmul` has no bfloat16 path."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def _operand(a: Any) -> tuple[int, int] | None:
     return None
 
 
+def _checked_dtype(a: Any, b: Any, what: str) -> str:
+    name = dtype_name(a.dtype)
+    if name not in _CUDA_TYPE or dtype_name(b.dtype) != name:
+        raise ValueError(
+            f"{what}: expected two float32/float16/bfloat16 arrays of one dtype, got "
+            f"{a.dtype} and {b.dtype}"
+        )
+    return name
+
+
 def gemm(
     a: Any,
     b: Any,
@@ -51,12 +62,7 @@ def gemm(
     dtype (row-major or transposed views; anything else is copied first), summed in float32.
     `out` (C-contiguous rows, [m, n]) may have another float dtype than a and b; without it a
     new array of `out_dtype` (default a's dtype) is made and beta is ignored."""
-    name = dtype_name(a.dtype)
-    if name not in _CUDA_TYPE or dtype_name(b.dtype) != name:
-        raise ValueError(
-            "gemm: expected two float32/float16/bfloat16 arrays of one dtype, got "
-            f"{a.dtype} and {b.dtype}"
-        )
+    name = _checked_dtype(a, b, "gemm")
     m, k = a.shape
     k2, n = b.shape
     if k != k2:
@@ -104,6 +110,69 @@ def gemm(
         out.data.ptr,
         _CUDA_TYPE[out_name],
         out.strides[0] // out.itemsize,
+        _COMPUTE_32F,
+        _GEMM_DEFAULT,
+    )
+    return out
+
+
+def _batched_operand(a: Any) -> tuple[int, int, int] | None:
+    """(op, ld, batch stride) of a 3-D `a` whose matrices `_operand` takes, all one stride
+    apart (0: one matrix for every batch entry); None otherwise."""
+    op = _operand(a[0])
+    if op is None or a.strides[0] % a.itemsize or a.strides[0] < 0:
+        return None
+    return op[0], op[1], a.strides[0] // a.itemsize
+
+
+def gemm_batched(a: Any, b: Any) -> Any:
+    """a @ b for 3-D CuPy arrays a [n, m, k], b [n, k, p] of one float dtype, summed in float32:
+    a new C-contiguous [n, m, p] array of that dtype. Each operand's matrices may be row-major
+    or transposed views at one batch stride (anything else is copied first)."""
+    name = _checked_dtype(a, b, "gemm_batched")
+    n, m, k = a.shape
+    n2, k2, p = b.shape
+    if n != n2 or k != k2:
+        raise ValueError(f"gemm_batched: shapes {a.shape} and {b.shape} do not chain")
+    out = cp.empty((n, m, p), a.dtype)
+    if out.size == 0:
+        return out
+    if k == 0:
+        out.fill(0)
+        return out
+    op_a, op_b = _batched_operand(a), _batched_operand(b)
+    if op_a is None:
+        a = cp.ascontiguousarray(a)
+        op_a = (_OP_N, k, m * k)
+    if op_b is None:
+        b = cp.ascontiguousarray(b)
+        op_b = (_OP_N, p, k * p)
+    from cupy_backends.cuda.libs import cublas
+
+    # As in `gemm`: row-major a @ b is column-major bᵀ @ aᵀ, so cuBLAS gets b first.
+    c_alpha, c_beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    cublas.gemmStridedBatchedEx(
+        cp.cuda.device.get_cublas_handle(),
+        op_b[0],
+        op_a[0],
+        p,
+        m,
+        k,
+        ctypes.addressof(c_alpha),
+        b.data.ptr,
+        _CUDA_TYPE[name],
+        op_b[1],
+        op_b[2],
+        a.data.ptr,
+        _CUDA_TYPE[name],
+        op_a[1],
+        op_a[2],
+        ctypes.addressof(c_beta),
+        out.data.ptr,
+        _CUDA_TYPE[name],
+        p,
+        m * p,
+        n,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
     )
