@@ -313,7 +313,6 @@ def compare(name: str, steps: int, deadline: float) -> dict[str, Any]:
             if ours.get(k) and theirs.get(k):
                 rec[f"{k}_ratio"] = round(ours[k] / theirs[k], 3)
     if name == "qwen3-0.6b":
-        sys.path.insert(0, str(HERE.parent / "python"))
         est = estimate(case)
         rec["estimate_nybble"] = est
         if "total" in est and ours.get("nvml_process"):
