@@ -32,6 +32,7 @@ from ..backends import Backend
 from ..errors import NonFiniteError
 from ..formats import OutputDtype, Packed
 from ..tensor import NF4Tensor, quantize
+from . import dropout
 from .config import LoraConfig
 
 
@@ -175,7 +176,9 @@ class _LoraLayer:
         self.enabled = True
         self._calls = _CallState()
         self._finite = backend.finite_check()
-        self._dropout_rng = backend.xp.random.default_rng(_seed(config, name) + 1)
+        self._dropout_seed = _seed(config, name) + 1
+        #: Dropout masks drawn so far; with the seed, all that decides the next one.
+        self.dropout_draws = 0
         self._merge_norms: Any = None
 
     # --- parameters -----------------------------------------------------------------------
@@ -376,15 +379,15 @@ class _LoraLayer:
         return out
 
     def _keep_mask(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive. Drawn
-        on the layer's device (numpy's generator on the CPU, CuPy's on the GPU), seeded per
-        layer, so a mask never crosses between host and device."""
+        """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive. Made on
+        the layer's device from (seed, draw count, element) alone (nybble.lora.dropout): the
+        same masks on the CPU and the GPU, and `dropout_draws` is the whole stream's state."""
         p = self.config.dropout
         if not self.training or p == 0.0:
             return None
-        keep = (self._dropout_rng.random(shape, dtype=np.float32) >= np.float32(p)).astype(dtype)
-        # A Python float keeps the mask's dtype; CuPy takes no 0-d numpy array as an operand.
-        keep *= 1.0 / (1.0 - p)
+        xp = self._base.backend.xp
+        keep = dropout.keep_mask(xp, shape, p, self._dropout_seed, self.dropout_draws, dtype)
+        self.dropout_draws += 1
         return keep
 
     def forward(self, x: Any, out: Any = None) -> Any:

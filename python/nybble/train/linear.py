@@ -203,18 +203,21 @@ class LoraProjection:
         w = self.layer.weight
         return w.T if self.layer.config.fan_in_fan_out else w
 
-    def dropout_state(self) -> dict[str, Any] | None:
-        """The dropout generator's state (None without dropout): gradient checkpointing
-        restores it before recomputing a forward, so the recomputed masks are the same, and a
-        checkpoint stores it so a resumed run draws the same masks."""
+    def dropout_state(self) -> int | None:
+        """The layer's dropout draw count (None without dropout), all that decides its next
+        mask: gradient checkpointing restores it before recomputing a forward, so the
+        recomputed masks are the same, and a checkpoint stores it so a resumed run draws the
+        same masks."""
         if self.layer.config.dropout == 0.0:
             return None
-        state: dict[str, Any] = self.layer._dropout_rng.bit_generator.state
-        return state
+        return self.layer.dropout_draws
 
-    def set_dropout_state(self, state: dict[str, Any] | None) -> None:
-        if state is not None:
-            self.layer._dropout_rng.bit_generator.state = state
+    def set_dropout_state(self, state: int | None) -> None:
+        if state is None:
+            return
+        if isinstance(state, bool) or not isinstance(state, int) or state < 0:
+            raise ValueError(f"a dropout draw count is an integer >= 0, got {state!r}")
+        self.layer.dropout_draws = state
 
 
 __all__ = [

@@ -35,7 +35,7 @@ IGNORE_INDEX = -100
 FLAT = "parameters"
 #: The checkpoint file's metadata key holding the trainer's record (JSON).
 CHECKPOINT_KEY = "nybble.train"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: dropout stored as draw counts (1: numpy generator states)
 #: Settings that may differ between the run that saved a checkpoint and the one resuming
 #: it without changing a single number.
 _FREE_ON_RESUME = ("gradient_checkpointing",)
@@ -300,7 +300,7 @@ class Trainer:
     ) -> None:
         """Everything a resumed run needs, in one safetensors file written atomically (a
         temporary beside it renamed into place): the trainable parameters, AdamW's moments
-        and pending accumulation, its counters, the dropout generators, the settings, and
+        and pending accumulation, its counters, the dropout draw counts, the settings, and
         `extra` (JSON values the caller wants back: a data position, a loss history)."""
         state = self.optimizer.state_dict()
         to_host = self.backend.to_host
@@ -390,7 +390,9 @@ class Trainer:
             try:
                 self.model.lora_projections[name].set_dropout_state(value)
             except (TypeError, ValueError, KeyError) as e:
-                raise FormatError(where, f"bad generator state ({e})", f"dropout.{name}") from None
+                raise FormatError(
+                    where, f"bad dropout draw count ({e})", f"dropout.{name}"
+                ) from None
         return extra
 
     def _check_settings(self, saved: Any, where: Path) -> None:
