@@ -1,4 +1,4 @@
-"""The memory-budget estimator (SPEC §5): architecture facts, codec sizes, the search, the
+"""The memory-budget estimator (docs/estimator.md): architecture facts, codec sizes, the search, the
 framework registry, bad input, and the committed H100 measurements."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from nybble.memory.presets import GiB, MiB
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "memory" / "results"
 
 
-# --- fixture facts of SPEC §5 ------------------------------------------------------------
+# --- fixture facts (docs/contracts.md) ------------------------------------------------------------
 
 
 def test_qwen3_4b_parameter_counts() -> None:
@@ -375,7 +375,7 @@ def test_a_new_framework_is_one_class() -> None:
 
 # --- against the peaks measured on an H100 (benchmarks/memory/) ---------------------------
 # The committed results were measured with the benchmark script's loop (`loop="benchmark"`)
-# before SPEC §5 counted the memory outside the allocator after a step: they check the
+# before the protocol counted the memory outside the allocator after a step: they check the
 # replayed reserved and allocated peaks, which the new definition keeps.
 
 
@@ -447,7 +447,8 @@ def test_the_outside_part_is_the_measured_one() -> None:
 
 # --- against the validation run (benchmarks/memory/results/results.jsonl) -----------------
 # measure_peft_bnb.py as docs/estimator.md describes it: one fresh process per configuration,
-# SPEC §5's plain loop (the diagnose pair in the benchmark loop too), 4 steps, NVML after each;
+# the plain loop of docs/estimator.md (the diagnose pair in the benchmark loop too), 4 steps,
+# NVML after each;
 # the measured total is the steady step's reserved peak plus the memory outside the allocator.
 
 
@@ -487,7 +488,8 @@ def test_the_validation_run_covers_the_sets() -> None:
 
 
 def test_totals_are_within_3_percent_of_the_validation_run() -> None:
-    """SPEC §5's total of every configuration, committed, held out, new, diagnose and the
+    """The measured total (docs/estimator.md) of every configuration, committed, held out,
+    new, diagnose and the
     mixtures of experts, within ±3% of the measured one (issue 18's criterion); the reserved
     peak, which the replay gives, within 1% in all but the tiny model at 1024 tokens (one 20
     MiB segment short: docs/estimator.md)."""

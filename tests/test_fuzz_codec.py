@@ -169,7 +169,8 @@ def valid_blocksize(blocksize: Any) -> bool:
 
 
 def as_float32(x: np.ndarray) -> np.ndarray:
-    """The logical values in C order, rounded to float32 (float64 first rounded, as SPEC §1)."""
+    """The logical values in C order, rounded to float32 (float64 first rounded, as
+    docs/formats.md states)."""
     with np.errstate(all="ignore"):
         return np.asarray(x).astype(np.float32).reshape(-1)
 

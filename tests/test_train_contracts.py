@@ -1,4 +1,4 @@
-"""SPEC §3's convergence contracts (docs/contracts.md, "Training"), each a named test, with a
+"""The convergence contracts of docs/contracts.md ("Training"), each a named test, with a
 float32 base and with an NF4 base (QLoRA), on the CPU and on the GPU (marked `gpu`: bfloat16
 activations, skipped without CUDA). The model is `TransformerConfig.tiny()`; unless a
 contract says otherwise the batch is inputs 1..8 with targets 2..9 and one `train_batch` is

@@ -6,14 +6,14 @@
 
 Every measured run is estimated with the same architecture (the config fields the run
 recorded), layer count, batch, sequence length, gradient checkpointing, LoRA rank/dropout,
-optimizer and training loop. The error is `(estimate - measured) / measured` of SPEC §5's
+optimizer and training loop. The error is `(estimate - measured) / measured` of the protocol's
 total: the steady step's reserved peak plus the process's memory outside the allocator after
 it (NVML minus `memory_reserved()`), the largest over steps 2 on. `covered` says whether the
 measured total is within the estimate plus its stated margin.
 
 Without `--measured` it compares the committed validation run (results/results.jsonl).
 Rows of results/old-protocol/measured.jsonl and holdout.jsonl are marked `old protocol`: they
-were measured with the benchmark loop before SPEC §5 counted the memory outside the allocator
+were measured with the benchmark loop before the protocol counted the memory outside the allocator
 after a step. Their total is recomputed under the new definition from what they recorded (step
 2's reserved peak plus NVML minus reserved at the end of the run) and compared with the
 benchmark loop's estimate.
@@ -33,7 +33,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-#: The accuracy SPEC §5's estimator is held to (issue 18).
+#: The accuracy the estimator is held to (issue 18).
 TOLERANCE = 0.03
 
 
@@ -47,7 +47,7 @@ def _import_memory() -> Any:
 
 
 def measured_total(rec: dict[str, Any]) -> tuple[int | None, str]:
-    """(SPEC §5's measured total, the protocol it was measured with)."""
+    """(the measured total (docs/estimator.md), the protocol it was measured with)."""
     if "run" in rec:  # written by this measure_peft_bnb.py
         protocol = "dry run" if rec.get("dry_run") else "new"
         return rec.get("measured_total"), protocol

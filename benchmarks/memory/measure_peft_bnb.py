@@ -1,6 +1,6 @@
 """Measure the GPU memory of transformers + PEFT + bitsandbytes QLoRA training, as users run it.
 
-The protocol of SPEC §5 and docs/estimator.md, in one command on the GPU machine:
+The protocol of docs/estimator.md, in one command on the GPU machine:
 
     python3 benchmarks/memory/measure_peft_bnb.py --out $OUT
 
@@ -11,7 +11,8 @@ The protocol of SPEC §5 and docs/estimator.md, in one command on the GPU machin
   `from_pretrained(..., quantization_config=..., device_map="cuda")`,
   `prepare_model_for_kbit_training`, `get_peft_model` (r=16, alpha 32, dropout 0,
   all-linear), `model.train()`, torch AdamW.
-- The loop (`--loops`): "plain" is SPEC §5's: `use_cache=False`, no task_type, each step
+- The loop (`--loops`): "plain" is the standard one (docs/estimator.md): `use_cache=False`,
+  no task_type, each step
   `ids = torch.randint(..., device="cuda")`, `model(input_ids=ids, labels=ids).loss.backward()`,
   `opt.step()`, `opt.zero_grad(set_to_none=True)`. "benchmark" is the loop the committed
   results were measured with (one batch made before training, with an all-ones attention

@@ -1,4 +1,4 @@
-"""`nybble estimate`: will a QLoRA fine-tune fit on my GPU? (SPEC §5, docs/estimator.md)"""
+"""`nybble estimate`: will a QLoRA fine-tune fit on my GPU? (docs/estimator.md)"""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--loop",
         default="plain",
         choices=LOOPS,
-        help="training loop: plain (new batch each step, no attention mask; SPEC §5) or "
+        help="training loop: plain (new batch each step, no attention mask; docs/estimator.md) or "
         "benchmark (benchmarks/memory/measure_peft_bnb.py's fixed batch)",
     )
     p.add_argument(

@@ -1,4 +1,4 @@
-"""Memory-budget estimator: will a QLoRA fine-tune fit on my GPU? (SPEC §5, docs/estimator.md)
+"""Memory-budget estimator: will a QLoRA fine-tune fit on my GPU? (docs/estimator.md)
 
     est = nybble.estimate_memory("qwen3-4b", batch=2, seq_len=2048, gpu="rtx4090")
     est.total_bytes, est.breakdown, est.fits(), est.max_batch(), est.suggestions()

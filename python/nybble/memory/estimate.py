@@ -35,7 +35,8 @@ class Suggestion:
 class MemoryEstimate:
     """GPU memory of a steady training step, as the chosen framework would use it.
 
-    `total_bytes` is what SPEC §5 measures: the peak the CUDA caching allocator reserves during
+    `total_bytes` is the measured figure of docs/estimator.md: the peak the CUDA caching
+    allocator reserves during
     a steady step of the training loop, plus the process's memory outside the allocator
     (`context_bytes`: CUDA context and the kernels loaded by then). `breakdown` splits it into
     named parts (docs/estimator.md) that add up to it exactly: the tensors alive at the step's
@@ -385,14 +386,14 @@ def estimate_memory(
     context: int | str | None = None,
     gpu: GpuLike | None = None,
 ) -> MemoryEstimate:
-    """GPU memory of a steady (Q)LoRA training step (SPEC §5, docs/estimator.md).
+    """GPU memory of a steady (Q)LoRA training step (docs/estimator.md).
 
     `model`: a preset name (`nybble.memory.MODEL_PRESETS`), a path to a Hugging Face
     `config.json` (or its folder), a Hub id whose config is in the local Hugging Face cache
     (`Qwen/Qwen3-4B`), a config dict, or an `Architecture`. `quant`: the base weights' format
     (nf4, fp4, int8, or bfloat16/float16/float32 for plain LoRA). `targets`: "all-linear" or
     projection names (q_proj, ..., down_proj). `framework`: whose memory behaviour to model
-    ("peft-bnb": transformers + PEFT + bitsandbytes). `loop`: "plain" (SPEC §5's training loop)
+    ("peft-bnb": transformers + PEFT + bitsandbytes). `loop`: "plain" (the standard training loop)
     or "benchmark" (benchmarks/memory/measure_peft_bnb.py's). `context`: the process's memory
     outside torch's allocator, if you measured it (bytes or a size such as "751MiB"); by
     default the runtime's figure (`nybble.memory.runtime`). `gpu`: the GPU to answer for (a

@@ -8,12 +8,13 @@ seen to add to such an estimate. `estimate_memory` takes the highest phase. A ne
 (nybble's own GPU trainer) is one more subclass registered with `register_framework`; nothing
 else changes.
 
-`PeftBnb` models transformers + PEFT + bitsandbytes QLoRA, the standard recipe of SPEC §5, with
-one model of the step: the run's allocations in order (`timeline`), each tagged with its part,
-replayed through a simulation of PyTorch's caching allocator (`replay`, `allocator`) until the
-training loop's reserved peak stops growing. Every figure of the estimate comes from that
-replay; the parts at the peak add up to the allocated peak, exactly. Both halves were compared
-with peaks and allocation traces measured on an H100 (benchmarks/memory/, docs/estimator.md).
+`PeftBnb` models transformers + PEFT + bitsandbytes QLoRA (the standard recipe,
+docs/estimator.md), with one model of the step: the run's allocations in order (`timeline`),
+each tagged with its part, replayed through a simulation of PyTorch's caching allocator
+(`replay`, `allocator`) until the training loop's reserved peak stops growing. Every figure of
+the estimate comes from that replay; the parts at the peak add up to the allocated peak,
+exactly. Both halves were compared with peaks and allocation traces measured on an H100
+(benchmarks/memory/, docs/estimator.md).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def get_framework(name: str) -> FrameworkModel:
 
 
 class PeftBnb(FrameworkModel):
-    """transformers + PEFT + bitsandbytes, the recipe of SPEC §5.
+    """transformers + PEFT + bitsandbytes, the recipe of docs/estimator.md.
 
     What decides its memory (each written into the timeline):
     - `prepare_model_for_kbit_training` casts every non-quantized parameter (embeddings,

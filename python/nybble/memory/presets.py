@@ -21,8 +21,9 @@ _LLAMA3_ROPE = dict(
     original_max_position_embeddings=8192,
 )
 
-#: Model presets. `tiny` is the training config of SPEC §3 (hidden 64, 2 layers, 4 heads,
-#: vocab 256, SwiGLU), with intermediate 4 x hidden and no grouping of the KV heads.
+#: Model presets. `tiny` is the convergence contracts' model (docs/contracts.md; hidden 64,
+#: 2 layers, 4 heads, vocab 256, SwiGLU), with intermediate 4 x hidden and no grouping of the
+#: KV heads.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(
         model_type="qwen3",

@@ -2,7 +2,7 @@
 
 For the 4-bit formats (`nf4`, `fp4`) the codes take `ceil(n/2)` bytes and each block of
 `blocksize` elements one float32 absmax; with double quantization the absmax become one uint8
-per block plus one float32 per 256 blocks plus a 4-byte offset (SPEC §1). `int8` stores one
+per block plus one float32 per 256 blocks plus a 4-byte offset (docs/formats.md). `int8` stores one
 byte per element with the same scales. The float formats store the weight as it is.
 These figures equal `nybble.quantize(x, ...).nbytes` (tested).
 """

@@ -4,7 +4,7 @@ A training process holds more than `torch.cuda.memory_reserved()`: the CUDA cont
 kernel module loaded by then (cuBLAS, the attention kernels, bitsandbytes' library). With lazy
 module loading (CUDA's default since 11.7) it grows as the first step runs: on an H100 with
 driver 580 and torch 2.11+cu130, 518 MiB before any tensor, 612 MiB after the first tensor op
-and 742 MiB after a QLoRA training step (an earlier probe, quoted by SPEC §5, read 619 and 751
+and 742 MiB after a QLoRA training step (an earlier probe read 619 and 751
 MiB: a process that had loaded more). The figure that sits next to the reserved
 peak is the last one: NVML's process memory minus `memory_reserved()` right after a steady
 step. The validation run (benchmarks/memory/results/results.jsonl) measured it after each of 4

@@ -14,8 +14,9 @@ from .presets import MODEL_PRESETS
 from .quant import QUANTIZED_FORMATS, check_blocksize, normalize_dtype, normalize_format
 
 #: The training loops an estimate can model (memory.timeline says how they differ): "plain",
-#: SPEC §5's loop (new input ids each step, labels = the ids, no attention mask, no KV cache),
-#: and "benchmark", the step loop of benchmarks/memory/measure_peft_bnb.py --loop benchmark.
+#: the plain loop of docs/estimator.md (new input ids each step, labels = the ids, no
+#: attention mask, no KV cache), and "benchmark", the step loop of
+#: benchmarks/memory/measure_peft_bnb.py --loop benchmark.
 LOOPS = ("plain", "benchmark")
 
 #: Optimizers whose state the estimate knows.

@@ -13,7 +13,7 @@ reset, as a measurement resets them) and ("phase", i) events name the part of th
 follows (`Tape.phases[i]`).
 
 Two training loops are written (`LOOPS`), which differ in what the allocator sees:
-- "plain": the loop of SPEC §5 and docs/estimator.md: new input ids each step
+- "plain": the loop of docs/estimator.md: new input ids each step
   (`torch.randint(..., device="cuda")`, labels = the ids, no attention mask),
   `use_cache=False`;
 - "benchmark": the step loop of benchmarks/memory/measure_peft_bnb.py, which the traces
@@ -109,7 +109,7 @@ class _Saved:
 
 
 class PeftBnbTimeline:
-    """The event sequence of SPEC §5's recipe for one setup (see the module docstring)."""
+    """The event sequence of the protocol's recipe for one setup (see the module docstring)."""
 
     def __init__(self, s: TrainingSetup, loop: str = "plain") -> None:
         if loop not in LOOPS:

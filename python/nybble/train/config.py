@@ -76,8 +76,9 @@ class TransformerConfig:
 
     @classmethod
     def tiny(cls) -> TransformerConfig:
-        """SPEC §3's tiny model: hidden 64, 2 layers, 4 heads (head_dim 16), vocab 256,
-        intermediate 256 (4 x hidden), no grouping of the key/value heads, untied head."""
+        """The convergence contracts' tiny model (docs/contracts.md): hidden 64, 2 layers,
+        4 heads (head_dim 16), vocab 256, intermediate 256 (4 x hidden), no grouping of the
+        key/value heads, untied head."""
         return cls()
 
     # --- derived ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Trainer: LoRA, QLoRA or full fine-tuning of a DecoderLM with AdamW, on the CPU or the GPU
-(SPEC §3; docs/training.md). One call of `train_batch` is one micro-batch: forward, backward,
+(docs/training.md). One call of `train_batch` is one micro-batch: forward, backward,
 and the optimizer's accumulation (an update every `accumulation_steps` calls, clipped to
 `max_grad_norm` when set). Everything that decides the numbers comes from the arguments and
 `seed`, so two trainers built alike give the same losses on one device; a checkpoint holds
