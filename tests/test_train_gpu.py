@@ -1,11 +1,13 @@
-"""The trainer on the GPU (CuPy), marked `gpu`: the fused softmax and SwiGLU kernels against the
-same math in CuPy (float32 and bfloat16), the GPU model against the CPU one (float32 close,
+"""The trainer on the GPU (CuPy), marked `gpu`: the fused softmax, SwiGLU, RMSNorm and head
+(norm + rotary) kernels against the same math in CuPy (float32 and bfloat16), the per-step
+casts of the adapters, the GPU model against the CPU one (float32 close,
 bfloat16 within its rounding), determinism, exact resumption from a checkpoint, gradient
 checkpointing, and NaN inputs refused. The convergence contracts and the gradient checks run
 on the GPU from tests/test_train_contracts.py and tests/test_train_gradients.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,84 @@ def test_fused_gate_equals_the_cupy_math(dtype: str) -> None:
     got = _cuda.FusedGate().backward(da, g.copy(), u.copy())
     for a, b in zip(got, want, strict=True):
         close(a, b, tol)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("width", [64, 200, 1024])
+def test_fused_rms_norm_equals_the_cupy_math(dtype: str, width: int) -> None:
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    rng = np.random.default_rng(2)
+    x, dy = (cp.asarray((rng.standard_normal((2, 7, width)) * 3).astype(np_dtype)) for _ in "xd")
+    w = cp.asarray(rng.standard_normal(width).astype(np.float32))
+    fused, plain = _cuda.FusedNorm(), F.NormKernels(cp)
+    y, rstd = fused.forward(x, w, 1e-6)
+    y0, rstd0 = plain.forward(x, w, 1e-6)
+    assert y.dtype == y0.dtype and rstd.shape == rstd0.shape
+    close(y, y0, tol)
+    close(rstd, rstd0, 1e-6)
+    dx, dw = fused.backward(dy, x, rstd, w, False)
+    dx0, _ = plain.backward(dy, x, rstd0, w, False)
+    assert dw is None and dx.dtype == dx0.dtype
+    close(dx, dx0, tol)
+    # a trainable weight's gradient goes to the xp statement, and matches it
+    dx1, dw1 = fused.backward(dy, x, rstd0, w, True)
+    dx2, dw2 = plain.backward(dy, x, rstd0, w, True)
+    close(dx1, dx2, 0)
+    close(dw1, dw2, 0)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("group", [1, 2])
+def test_fused_heads_equal_the_cupy_math(dtype: str, norm: bool, group: int) -> None:
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    b, t, heads, d = 2, 9, 4, 64
+    cfg = dataclasses.replace(TransformerConfig.tiny(), head_dim=d)
+    cos, sin = (cp.asarray(a.astype(np_dtype)) for a in F.rope_tables(cfg, t))
+    rng = np.random.default_rng(3)
+    x = cp.asarray((rng.standard_normal((b, t, heads, d)) * 2).astype(np_dtype))
+    dy = cp.asarray(rng.standard_normal((b, t, heads, d)).astype(np_dtype))
+    w = cp.asarray(rng.standard_normal(d).astype(np.float32)) if norm else None
+    fused, plain = _cuda.FusedHeads(), F.HeadKernels(cp)
+    out, rstd = fused.forward(x, w, 1e-6, cos, sin, group)
+    out0, rstd0 = plain.forward(x, w, 1e-6, cos, sin, group)
+    assert out.shape == out0.shape == (b, heads // group, t, group, d) and out.flags.c_contiguous
+    close(out, out0, tol)
+    assert (rstd is None) == (rstd0 is None) == (not norm)
+    dx, _ = fused.backward(dy, x if norm else None, rstd0, w, cos, sin, False)
+    dx0, _ = plain.backward(dy, x if norm else None, rstd0, w, cos, sin, False)
+    assert dx.shape == dx0.shape and dx.dtype == dx0.dtype
+    close(dx, dx0, tol)
+    if dtype == "float32" and not norm:  # no sums: the same operations, bit for bit
+        assert bool((out == out0).all()) and bool((dx == dx0).all())
+
+
+def test_adapter_casts_are_used_for_one_step_only() -> None:
+    """The model casts every adapter's A and B once per step; after the step no layer keeps a
+    cast (a forward outside the trainer casts its own, current parameters)."""
+    t = Trainer(
+        TransformerConfig.tiny(),
+        LoraConfig(r=4, alpha=8, target_modules="all-linear"),
+        device="cuda",
+        lr=0.05,
+    )
+    train(t, 2)
+    assert all(p.casts is None for p in t.model.lora_projections.values())
+    assert all(layer._casts is None for layer in t.lora_layers().values())
+    layer = next(iter(t.lora_layers().values()))
+    x = cupy().asarray(np.ones((3, layer.in_features), ml_dtypes.bfloat16))
+    want = layer.forward(x)
+    stale = (layer.lora_a.astype(x.dtype) * 0, layer.lora_b.astype(x.dtype) * 0)
+    layer.use_casts(stale)
+    assert not bool((layer.forward(x) == want).all())  # the casts are what forward uses
+    layer.set_lora_a(layer.lora_a)  # setting a parameter drops them
+    assert bool((layer.forward(x) == want).all())
 
 
 def train(t: Trainer, n: int, start: int = 0) -> list[float]:

@@ -180,6 +180,7 @@ class _LoraLayer:
         #: Dropout masks drawn so far; with the seed, all that decides the next one.
         self.dropout_draws = 0
         self._merge_norms: Any = None
+        self._casts: tuple[Any, Any] | None = None
 
     # --- parameters -----------------------------------------------------------------------
 
@@ -255,11 +256,20 @@ class _LoraLayer:
             raise ValueError(f"cannot set {what} while merged; unmerge() first")
         return v
 
+    def use_casts(self, casts: tuple[Any, Any] | None) -> None:
+        """A and B already cast to an activation dtype, for the forwards that follow (None:
+        cast them in each forward, the default). A trainer casts all its adapters' parameters
+        in one launch per step instead of two per forward, and clears these before the
+        parameters change; setting A or B clears them too."""
+        self._casts = casts
+
     def set_lora_a(self, a: Any) -> None:
         self.lora_a[...] = self._set(a, (self.config.r, self.in_features), "lora_A")
+        self._casts = None
 
     def set_lora_b(self, b: Any) -> None:
         self.lora_b[...] = self._set(b, (self.out_features, self.config.r), "lora_B")
+        self._casts = None
 
     def set_lora_magnitude(self, m: Any) -> None:
         if self.lora_magnitude is None:
@@ -401,8 +411,12 @@ class _LoraLayer:
             y = self._base.forward(x2)
         else:
             # The parameters in the compute dtype, cast once for this forward and its backward.
-            a = self.lora_a.astype(x2.dtype, copy=False)
-            b = self.lora_b.astype(x2.dtype, copy=False)
+            casts = self._casts
+            if casts is not None and casts[0].dtype == x2.dtype:
+                a, b = casts
+            else:
+                a = self.lora_a.astype(x2.dtype, copy=False)
+                b = self.lora_b.astype(x2.dtype, copy=False)
             keep = self._keep_mask(tuple(x2.shape), x2.dtype)
             xd = x2 if keep is None else x2 * keep
             h = backend.matmul(xd, a.T)  # [m, r]

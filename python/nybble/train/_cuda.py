@@ -1,8 +1,11 @@
 """Fused GPU kernels of the trainer: the causal softmax of a chunk of attention scores and its
-gradient, and SwiGLU's gate and its gradient. Each replaces a chain of elementwise CuPy
-calls over the same arrays (`functional.SoftmaxKernels` / `GateKernels` state the same math
-in `xp`, and the GPU tests compare the two): one read and one write of every element instead
-of a float32 temporary per step of the formula.
+gradient, SwiGLU's gate and its gradient, RMSNorm and its gradient, and the query/key heads'
+norm + rotary positions + move to attention's layout and back. Each replaces a chain of
+elementwise CuPy calls over the same arrays (`functional.SoftmaxKernels`, `GateKernels`,
+`NormKernels`, `HeadKernels` state the same math in `xp`, and the GPU tests compare the two):
+one read and one write of every element instead of a temporary per step of the formula, and
+one launch instead of ten. The whole-model step on the GPU is bound by the host's launches
+(docs/training.md), so the launches count as much as the bytes.
 
 bfloat16 is handled as raw 16-bit words (widened exactly, rounded to nearest even), float32
 as is; the math is float32. Compiled with NVRTC on first use (through CuPy); importing this
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import dtype_name
+from . import functional as F
 
 SOURCE = r"""
 __device__ __forceinline__ float load_f(const unsigned short* p, long long i) {
@@ -169,18 +173,196 @@ __device__ void gate_backward_all(const T* da, T* g, T* u, long long n) {
 
 SOFTMAX_KERNELS(bf16, unsigned short)
 SOFTMAX_KERNELS(f32, float)
+
+// The value a store of type T would keep: bfloat16 rounding, or none for float32. The xp
+// statements (train/functional.py) round every elementwise step to the activations' dtype;
+// the fused kernels round at the same steps, so the two agree but for the norms' sums.
+template <typename T> __device__ __forceinline__ float round_as(float v);
+template <> __device__ __forceinline__ float round_as<unsigned short>(float v) {
+    return __uint_as_float(((unsigned int)to_bf16(v)) << 16);
+}
+template <> __device__ __forceinline__ float round_as<float>(float v) { return v; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One warp per row of `width`: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
+template <typename T>
+__device__ void rms_forward_rows(const T* x, const float* w, T* y, float* rstd, long long rows,
+                                 int width, float eps) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + row * width;
+    T* yr = y + row * width;
+    float ss = 0.0f;
+    for (int j = lane; j < width; j += 32) {
+        const float v = load_f(xr, j);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(warp_sum(ss) / (float)width + eps);
+    for (int j = lane; j < width; j += 32) store_f(yr, j, load_f(xr, j) * r * w[j]);
+    if (lane == 0) rstd[row] = r;
+}
+
+// One warp per row: dx = rstd * (g - xhat * mean(g * xhat)), xhat = x * rstd, g = dy * w.
+template <typename T>
+__device__ void rms_backward_rows(const T* dy, const T* x, const float* rstd, const float* w,
+                                  T* dx, long long rows, int width) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const long long at = row * width;
+    const float r = rstd[row];
+    float dot = 0.0f;
+    for (int j = lane; j < width; j += 32)
+        dot += load_f(dy, at + j) * w[j] * (load_f(x, at + j) * r);
+    dot = warp_sum(dot) / (float)width;
+    for (int j = lane; j < width; j += 32) {
+        const float xhat = load_f(x, at + j) * r;
+        store_f(dx, at + j, (load_f(dy, at + j) * w[j] - xhat * dot) * r);
+    }
+}
+
+// One warp per (position, head) row of x [B, T, heads, D]: the optional RMSNorm of the head
+// (has_norm), rotary positions (the halves of the head are the pairs), written to
+// out [B, heads / group, T, group, D].
+template <typename T>
+__device__ void heads_forward_rows(const T* x, const float* w, int has_norm, const T* cos,
+                                   const T* sin, T* out, float* rstd, long long rows, int heads,
+                                   long long positions, int group, int d, float eps) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int half = d / 2;
+    const T* xr = x + row * d;
+    float r = 1.0f;
+    if (has_norm) {
+        float ss = 0.0f;
+        for (int j = lane; j < d; j += 32) {
+            const float v = load_f(xr, j);
+            ss += v * v;
+        }
+        r = 1.0f / sqrtf(warp_sum(ss) / (float)d + eps);
+        if (lane == 0) rstd[row] = r;
+    }
+    const long long token = row / heads, b = token / positions, t = token % positions;
+    const int head = (int)(row % heads);
+    const long long kv_head = b * (heads / group) + head / group;
+    T* o = out + ((kv_head * positions + t) * group + head % group) * d;
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    for (int i = lane; i < half; i += 32) {
+        float a = load_f(xr, i), bb = load_f(xr, i + half);
+        if (has_norm) {
+            a = round_as<T>(a * r * w[i]);
+            bb = round_as<T>(bb * r * w[i + half]);
+        }
+        const float c1 = load_f(c, i), c2 = load_f(c, i + half);
+        const float s1 = load_f(s, i), s2 = load_f(s, i + half);
+        store_f(o, i, round_as<T>(a * c1) - round_as<T>(bb * s1));
+        store_f(o, i + half, round_as<T>(bb * c2) + round_as<T>(a * s2));
+    }
+}
+
+// Rotary positions backward for the pair (i, i + half) of a head's gradient g.
+template <typename T>
+__device__ __forceinline__ float2 rope_back(const T* g, const T* c, const T* s, int i, int half) {
+    const float g1 = load_f(g, i), g2 = load_f(g, i + half);
+    const float c1 = load_f(c, i), c2 = load_f(c, i + half);
+    const float s1 = load_f(s, i), s2 = load_f(s, i + half);
+    return make_float2(round_as<T>(round_as<T>(g1 * c1) + round_as<T>(g2 * s2)),
+                       round_as<T>(round_as<T>(g2 * c2) - round_as<T>(g1 * s1)));
+}
+
+// The transpose of heads_forward_rows for dy [B, T, heads, D] (attention's gradient of the
+// rotated heads, in the projection's layout): rotary positions back, then the norm's backward.
+template <typename T>
+__device__ void heads_backward_rows(const T* dy, const T* x, const float* rstd, const float* w,
+                                    int has_norm, const T* cos, const T* sin, T* dx,
+                                    long long rows, int heads, long long positions, int d) {
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int half = d / 2;
+    const long long t = (row / heads) % positions;
+    const T* g = dy + row * d;
+    const T* c = cos + t * d;
+    const T* s = sin + t * d;
+    const T* xr = x + row * d;
+    float r = 1.0f, dot = 0.0f;
+    if (has_norm) {
+        r = rstd[row];
+        for (int i = lane; i < half; i += 32) {
+            const float2 dd = rope_back<T>(g, c, s, i, half);
+            dot += dd.x * w[i] * (load_f(xr, i) * r);
+            dot += dd.y * w[i + half] * (load_f(xr, i + half) * r);
+        }
+        dot = warp_sum(dot) / (float)d;
+    }
+    for (int i = lane; i < half; i += 32) {
+        float2 dd = rope_back<T>(g, c, s, i, half);
+        if (has_norm) {
+            dd.x = (dd.x * w[i] - load_f(xr, i) * r * dot) * r;
+            dd.y = (dd.y * w[i + half] - load_f(xr, i + half) * r * dot) * r;
+        }
+        store_f(dx, row * d + i, dd.x);
+        store_f(dx, row * d + i + half, dd.y);
+    }
+}
+
+#define ROW_KERNELS(NAME, T)                                                                   \
+    extern "C" __global__ void rms_forward_##NAME(const T* x, const float* w, T* y, float* rstd, \
+                                                  long long rows, int width, float eps) {      \
+        rms_forward_rows<T>(x, w, y, rstd, rows, width, eps);                                  \
+    }                                                                                          \
+    extern "C" __global__ void rms_backward_##NAME(const T* dy, const T* x, const float* rstd,  \
+                                                   const float* w, T* dx, long long rows,      \
+                                                   int width) {                                \
+        rms_backward_rows<T>(dy, x, rstd, w, dx, rows, width);                                 \
+    }                                                                                          \
+    extern "C" __global__ void heads_forward_##NAME(                                           \
+        const T* x, const float* w, int has_norm, const T* cos, const T* sin, T* out,          \
+        float* rstd, long long rows, int heads, long long positions, int group, int d,         \
+        float eps) {                                                                           \
+        heads_forward_rows<T>(x, w, has_norm, cos, sin, out, rstd, rows, heads, positions,     \
+                              group, d, eps);                                                  \
+    }                                                                                          \
+    extern "C" __global__ void heads_backward_##NAME(                                          \
+        const T* dy, const T* x, const float* rstd, const float* w, int has_norm,              \
+        const T* cos, const T* sin, T* dx, long long rows, int heads, long long positions,     \
+        int d) {                                                                               \
+        heads_backward_rows<T>(dy, x, rstd, w, has_norm, cos, sin, dx, rows, heads, positions, \
+                               d);                                                             \
+    }
+
+ROW_KERNELS(bf16, unsigned short)
+ROW_KERNELS(f32, float)
 """
 
 #: The kernels' names, for the compile check.
 KERNEL_NAMES = tuple(
     f"{kind}_{name}"
     for name in ("bf16", "f32")
-    for kind in ("softmax_forward", "softmax_backward", "gate_forward", "gate_backward")
+    for kind in (
+        "softmax_forward",
+        "softmax_backward",
+        "gate_forward",
+        "gate_backward",
+        "rms_forward",
+        "rms_backward",
+        "heads_forward",
+        "heads_backward",
+    )
 )
 #: dtypes the fused kernels take, by name, with their kernel-name suffix.
 SUFFIX = {"bfloat16": "bf16", "float32": "f32"}
 #: Threads per block of the row kernels (rows are up to tens of thousands of keys).
 ROW_THREADS = 256
+#: Threads per block of the warp-per-row kernels (RMSNorm, the heads): 8 rows a block.
+WARP_ROW_THREADS = 256
 #: Threads and the largest grid of the elementwise kernels (grid-stride loops).
 ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65536
@@ -195,7 +377,8 @@ def supports(dtype: Any) -> bool:
 def _module(device: int) -> Any:
     import cupy as cp
 
-    return cp.RawModule(code=SOURCE, options=("-std=c++17",))
+    # no contraction of a*b+c into an FMA: each step rounds as its xp statement does
+    return cp.RawModule(code=SOURCE, options=("-std=c++17", "--fmad=false"))
 
 
 def _kernel(name: str, dtype: Any) -> Any:
@@ -303,4 +486,153 @@ class FusedGate:
         return gate, up
 
 
-__all__ = ["KERNEL_NAMES", "SOURCE", "FusedGate", "FusedSoftmax", "supports"]
+def _warp_rows_grid(rows: int) -> tuple[int]:
+    per_block = WARP_ROW_THREADS // 32
+    return (max(1, (rows + per_block - 1) // per_block),)
+
+
+def _fusable(dtype: Any, *arrays: Any) -> bool:
+    """Whether the row kernels take these arrays: C-contiguous, of one dtype the kernels
+    know, and (the norm weights, given as float32 arrays) float32."""
+    if not supports(dtype):
+        return False
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
+def _f32_weight(w: Any) -> bool:
+    return w is None or (w.dtype == np.float32 and w.flags.c_contiguous)
+
+
+class FusedNorm:
+    """`functional.NormKernels` on the GPU: one launch each way. A trainable weight's gradient
+    (full fine-tuning) and other dtypes go to the xp statement."""
+
+    def forward(self, x: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+        import cupy as cp
+
+        if not (_fusable(x.dtype, x) and _f32_weight(weight)) or x.size == 0:
+            return F.rms_norm_forward(cp, x, weight, eps)
+        width = int(x.shape[-1])
+        rows = int(x.size) // width
+        y = cp.empty_like(x)
+        rstd = cp.empty((*x.shape[:-1], 1), cp.float32)
+        kernel = _kernel("rms_forward", x.dtype)
+        args = (x, weight, y, rstd, np.int64(rows), np.int32(width), np.float32(eps))
+        kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
+        return y, rstd
+
+    def backward(
+        self, dy: Any, x: Any, rstd: Any, weight: Any, weight_grad: bool
+    ) -> tuple[Any, Any]:
+        import cupy as cp
+
+        fusable = _fusable(x.dtype, dy, x, rstd) and _f32_weight(weight) and dy.dtype == x.dtype
+        if weight_grad or not fusable or x.size == 0:
+            return F.rms_norm_backward(cp, dy, x, rstd, weight, weight_grad)
+        width = int(x.shape[-1])
+        rows = int(x.size) // width
+        dx = cp.empty_like(dy)
+        kernel = _kernel("rms_backward", x.dtype)
+        args = (dy, x, rstd, weight, dx, np.int64(rows), np.int32(width))
+        kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
+        return dx, None
+
+
+class FusedHeads:
+    """`functional.HeadKernels` on the GPU: norm, rotary positions and the move to attention's
+    layout in one launch, and back in one."""
+
+    def __init__(self) -> None:
+        self._no_weight: dict[int, Any] = {}
+
+    def _weight(self, w: Any) -> tuple[Any, np.int32]:
+        """The norm weight and the has-norm flag (a one-element stand-in without a norm)."""
+        import cupy as cp
+
+        if w is not None:
+            return w, np.int32(1)
+        device = cp.cuda.runtime.getDevice()
+        if device not in self._no_weight:
+            self._no_weight[device] = cp.zeros(1, cp.float32)
+        return self._no_weight[device], np.int32(0)
+
+    def forward(
+        self, x: Any, weight: Any, eps: float, cos: Any, sin: Any, group: int
+    ) -> tuple[Any, Any]:
+        import cupy as cp
+
+        b, t, heads, d = (int(n) for n in x.shape)
+        fusable = _fusable(x.dtype, x, cos, sin) and _f32_weight(weight)
+        if not fusable or cos.dtype != x.dtype or d % 2 or x.size == 0:
+            return F.HeadKernels(cp).forward(x, weight, eps, cos, sin, group)
+        out = cp.empty((b, heads // group, t, group, d), x.dtype)
+        rstd = cp.empty((b, t, heads, 1), cp.float32) if weight is not None else None
+        w, has_norm = self._weight(weight)
+        rows = b * t * heads
+        kernel = _kernel("heads_forward", x.dtype)
+        args = (
+            x,
+            w,
+            has_norm,
+            cos,
+            sin,
+            out,
+            rstd if rstd is not None else w,
+            np.int64(rows),
+            np.int32(heads),
+            np.int64(t),
+            np.int32(group),
+            np.int32(d),
+            np.float32(eps),
+        )
+        kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
+        return out, rstd
+
+    def backward(
+        self,
+        dy: Any,
+        x: Any,
+        rstd: Any,
+        weight: Any,
+        cos: Any,
+        sin: Any,
+        weight_grad: bool,
+    ) -> tuple[Any, Any]:
+        import cupy as cp
+
+        b, t, heads, d = (int(n) for n in dy.shape)
+        fusable = _fusable(dy.dtype, dy, x, rstd, cos, sin) and _f32_weight(weight)
+        fusable = fusable and cos.dtype == dy.dtype and (x is None or x.dtype == dy.dtype)
+        if weight_grad or not fusable or d % 2 or dy.size == 0:
+            return F.HeadKernels(cp).backward(dy, x, rstd, weight, cos, sin, weight_grad)
+        dx = cp.empty_like(dy)
+        w, has_norm = self._weight(weight)
+        rows = b * t * heads
+        kernel = _kernel("heads_backward", dy.dtype)
+        args = (
+            dy,
+            x if x is not None else dy,
+            rstd if rstd is not None else w,
+            w,
+            has_norm,
+            cos,
+            sin,
+            dx,
+            np.int64(rows),
+            np.int32(heads),
+            np.int64(t),
+            np.int32(d),
+        )
+        kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
+        return dx, None
+
+
+__all__ = [
+    "KERNEL_NAMES",
+    "SOURCE",
+    "FusedGate",
+    "FusedHeads",
+    "FusedNorm",
+    "FusedSoftmax",
+    "supports",
+]

@@ -97,6 +97,22 @@ def rms_norm_backward(
     return g.astype(dy.dtype, copy=False), dw
 
 
+class NormKernels:
+    """RMSNorm forward and backward as the model calls them, in `xp` (the GPU's fused kernels,
+    train/_cuda.py, replace them for bfloat16 and float32)."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def forward(self, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+        return rms_norm_forward(self.xp, x, weight, eps)
+
+    def backward(
+        self, dy: Array, x: Array, rstd: Array, weight: Array, weight_grad: bool
+    ) -> tuple[Array, Array | None]:
+        return rms_norm_backward(self.xp, dy, x, rstd, weight, weight_grad)
+
+
 # --- rotary positions -----------------------------------------------------------------------
 
 
@@ -153,6 +169,50 @@ def rope_backward(dy: Array, cos: Array, sin: Array) -> Array:
     dx[..., :half] += dy[..., half:] * s[..., half:]
     dx[..., half:] -= dy[..., :half] * s[..., :half]
     return dx
+
+
+class HeadKernels:
+    """The query or key heads from their projection to attention's layout, and back: the
+    optional per-head RMSNorm (Qwen3's q_norm / k_norm), rotary positions, and the move from
+    [B, T, heads, D] to [B, kv_heads, T, group, D] (keys: group 1), in `xp`."""
+
+    def __init__(self, xp: Any) -> None:
+        self.xp = xp
+
+    def forward(
+        self,
+        x: Array,
+        weight: Array | None,
+        eps: float,
+        cos: Array,
+        sin: Array,
+        group: int,
+    ) -> tuple[Array, Array | None]:
+        """(rope(norm(x)) in attention's layout, the norm's rstd [B, T, heads, 1] or None)."""
+        rstd = None
+        if weight is not None:
+            x, rstd = rms_norm_forward(self.xp, x, weight, eps)
+        b, t, heads, d = x.shape
+        y = rope_forward(x, cos, sin).reshape(b, t, heads // group, group, d)
+        return self.xp.ascontiguousarray(y.transpose(0, 2, 1, 3, 4)), rstd
+
+    def backward(
+        self,
+        dy: Array,
+        x: Array | None,
+        rstd: Array | None,
+        weight: Array | None,
+        cos: Array,
+        sin: Array,
+        weight_grad: bool,
+    ) -> tuple[Array, Array | None]:
+        """dy [B, T, heads, D] (the gradient of the rotated heads, in that layout) -> (dL/dx,
+        the norm weight's gradient or None); x and rstd are the projection's output and the
+        norm's rstd (None without a norm)."""
+        d = rope_backward(dy, cos, sin)
+        if weight is None:
+            return d, None
+        return rms_norm_backward(self.xp, d, x, rstd, weight, weight_grad)
 
 
 # --- causal attention ------------------------------------------------------------------------
@@ -306,8 +366,9 @@ def attention_backward(
         dk[:, :t1] += bmm(dp.transpose(0, 2, 1), qc).astype(acc, copy=False)
         dqc = bmm(dp, kb[:, :t1])
         dq[:, t0:t1] = dqc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
-    dk_out = dk.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)
-    dv_out = dv.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype)
+    # C order: the projections' backward reads them as [B·T, kv_heads·D] without a copy
+    dk_out = dk.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype, order="C")
+    dv_out = dv.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype, order="C")
     return dq, dk_out, dv_out
 
 
@@ -421,6 +482,8 @@ __all__ = [
     "ATTENTION_CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",
     "GateKernels",
+    "HeadKernels",
+    "NormKernels",
     "SoftmaxKernels",
     "accumulate_dtype",
     "attention_backward",

@@ -174,12 +174,15 @@ class LoraProjection:
         self.name = name
         self.layer = layer
         self.dtype = np.dtype(dtype)
+        #: A and B in the compute dtype for this step (the model casts all at once), or None
+        self.casts: tuple[Array, Array] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.layer.out_features, self.layer.in_features)
 
     def forward(self, x: Array) -> Array:
+        self.layer.use_casts(self.casts)
         return self.layer.forward(x).astype(self.dtype, copy=False)
 
     def backward(self, dy: Array) -> Array:
@@ -190,6 +193,7 @@ class LoraProjection:
         # call state until the next forward; dropping them is what lets gradient
         # checkpointing free a layer's activations. (No public method does this yet.)
         self.layer._calls.cache = None
+        self.layer.use_casts(None)
 
     def gradients(self) -> dict[str, Array | None]:
         return {f"{self.name}.{k}": v for k, v in self.layer.gradients().items()}

@@ -85,6 +85,12 @@ class DecoderLayer:
     def _w(self, name: str) -> Array:
         return self.model.weights[f"{self.prefix}.{name}.weight"]
 
+    def _head_norms(self) -> tuple[Array | None, Array | None]:
+        """The q_norm and k_norm weights (None, None without them)."""
+        if not self.model.config.qk_norm:
+            return None, None
+        return self._w("self_attn.q_norm"), self._w("self_attn.k_norm")
+
     def forward(self, x: Array, keep: bool) -> tuple[Array, _Saved | None]:
         m = self.model
         cfg, xp = m.config, m.xp
@@ -93,31 +99,25 @@ class DecoderLayer:
         heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         p = self.proj
         x2 = x.reshape(n, hidden)
-        n1, rstd_in = F.rms_norm_forward(xp, x2, self._w("input_layernorm"), cfg.rms_norm_eps)
+        n1, rstd_in = m.norm.forward(x2, self._w("input_layernorm"), cfg.rms_norm_eps)
         q = p["q_proj"].forward(n1).reshape(b, t, heads, d)
         k = p["k_proj"].forward(n1).reshape(b, t, kv, d)
         v = p["v_proj"].forward(n1).reshape(b, t, kv, d)
         del n1
-        q_raw = k_raw = rstd_q = rstd_k = None
-        if cfg.qk_norm:
-            q_raw, k_raw = q, k
-            q, rstd_q = F.rms_norm_forward(xp, q, self._w("self_attn.q_norm"), cfg.rms_norm_eps)
-            k, rstd_k = F.rms_norm_forward(xp, k, self._w("self_attn.k_norm"), cfg.rms_norm_eps)
         cos, sin = m.rope(t)
-        group = cfg.group_size
-        qt = xp.ascontiguousarray(
-            F.rope_forward(q, cos, sin).reshape(b, t, kv, group, d).transpose(0, 2, 1, 3, 4)
-        )
-        kt = xp.ascontiguousarray(F.rope_forward(k, cos, sin).transpose(0, 2, 1, 3))
+        q_norm, k_norm = self._head_norms()
+        qt, rstd_q = m.heads.forward(q, q_norm, cfg.rms_norm_eps, cos, sin, cfg.group_size)
+        kt, rstd_k = m.heads.forward(k, k_norm, cfg.rms_norm_eps, cos, sin, 1)
+        kt = kt.reshape(b, kv, t, d)
         vt = xp.ascontiguousarray(v.transpose(0, 2, 1, 3))
+        # the projections' outputs: what the norms' backward needs (nothing without norms)
+        q_raw, k_raw = (q, k) if cfg.qk_norm else (None, None)
         del q, k, v
         attn, lse = F.attention_forward(
             xp, qt, kt, vt, m.scale, cfg.sliding_window, m.softmax, m.attention_chunk_elements
         )
         h = x2 + p["o_proj"].forward(attn.reshape(n, heads * d))
-        n2, rstd_post = F.rms_norm_forward(
-            xp, h, self._w("post_attention_layernorm"), cfg.rms_norm_eps
-        )
+        n2, rstd_post = m.norm.forward(h, self._w("post_attention_layernorm"), cfg.rms_norm_eps)
         gate = p["gate_proj"].forward(n2)
         up = p["up_proj"].forward(n2)
         del n2
@@ -151,8 +151,8 @@ class DecoderLayer:
         dn2 = p["gate_proj"].backward(dgate)
         dn2 += p["up_proj"].backward(dup)
         del dgate, dup
-        dh, dw = F.rms_norm_backward(
-            xp, dn2, s.h, s.rstd_post, self._w("post_attention_layernorm"), m.norms_trainable
+        dh, dw = m.norm.backward(
+            dn2, s.h, s.rstd_post, self._w("post_attention_layernorm"), m.norms_trainable
         )
         m.set_grad(f"{self.prefix}.post_attention_layernorm.weight", dw)
         dh += dy2
@@ -173,24 +173,19 @@ class DecoderLayer:
         )
         del do
         cos, sin = m.rope(t)
-        dq = F.rope_backward(dq.reshape(b, t, heads, d), cos, sin)
-        dk = F.rope_backward(dk, cos, sin)
+        q_norm, k_norm = self._head_norms()
+        dq, dwq = m.heads.backward(
+            dq.reshape(b, t, heads, d), s.q_raw, s.rstd_q, q_norm, cos, sin, m.norms_trainable
+        )
+        dk, dwk = m.heads.backward(dk, s.k_raw, s.rstd_k, k_norm, cos, sin, m.norms_trainable)
         if cfg.qk_norm:
-            dq, dwq = F.rms_norm_backward(
-                xp, dq, s.q_raw, s.rstd_q, self._w("self_attn.q_norm"), m.norms_trainable
-            )
-            dk, dwk = F.rms_norm_backward(
-                xp, dk, s.k_raw, s.rstd_k, self._w("self_attn.k_norm"), m.norms_trainable
-            )
             m.set_grad(f"{self.prefix}.self_attn.q_norm.weight", dwq)
             m.set_grad(f"{self.prefix}.self_attn.k_norm.weight", dwk)
         dn1 = p["q_proj"].backward(dq.reshape(n, heads * d))
         dn1 += p["k_proj"].backward(dk.reshape(n, kv * d))
         dn1 += p["v_proj"].backward(dv.reshape(n, kv * d))
         del dq, dk, dv
-        dx, dw = F.rms_norm_backward(
-            xp, dn1, s.x, s.rstd_in, self._w("input_layernorm"), m.norms_trainable
-        )
+        dx, dw = m.norm.backward(dn1, s.x, s.rstd_in, self._w("input_layernorm"), m.norms_trainable)
         m.set_grad(f"{self.prefix}.input_layernorm.weight", dw)
         dx += dh
         m.collect_projection_grads(p.values())
@@ -239,8 +234,7 @@ class DecoderLM:
         self.scale = config.head_dim**-0.5
         self.attention_chunk_elements = F.ATTENTION_CHUNK_ELEMENTS
         self.head_chunk_elements = F.HEAD_CHUNK_ELEMENTS
-        self.softmax: Any = F.SoftmaxKernels(self.xp)
-        self.gate: Any = F.GateKernels(self.xp)
+        self.use_fused_kernels(False)
         if backend.device == "cuda":
             self.use_fused_kernels(True)
         self.training = True
@@ -346,12 +340,15 @@ class DecoderLM:
         self.flat = xp.empty(sum(sizes), self.param_dtype)
         self.flat_grad = xp.zeros_like(self.flat)
         self.views: dict[str, Array] = {}
+        #: name -> (offset, shape) of each parameter in the flat buffer
+        self.offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
         offset = 0
         for name, size in zip(self.trainable, sizes, strict=True):
             host = initial[name]
             view = self.flat[offset : offset + size].reshape(host.shape)
             view[...] = self.backend.from_host(np.ascontiguousarray(host, self.param_dtype))
             self.views[name] = view
+            self.offsets[name] = (offset, tuple(host.shape))
             offset += size
         self.lora_projections: dict[str, LoraProjection] = {}
         for layer in self.layers:
@@ -372,17 +369,21 @@ class DecoderLM:
     # --- switches ----------------------------------------------------------------------------
 
     def use_fused_kernels(self, fused: bool) -> None:
-        """On the GPU, the fused softmax and SwiGLU kernels (train/_cuda.py) for bfloat16 and
-        float32; otherwise (and always on the CPU) the same math in xp."""
+        """On the GPU, the fused kernels (train/_cuda.py: softmax, SwiGLU, RMSNorm, the heads'
+        norm and rotary positions) for bfloat16 and float32; otherwise (and always on the CPU)
+        the same math in xp (train/functional.py)."""
+        self.softmax: Any = F.SoftmaxKernels(self.xp)
+        self.gate: Any = F.GateKernels(self.xp)
+        self.norm: Any = F.NormKernels(self.xp)
+        self.heads: Any = F.HeadKernels(self.xp)
         if fused and self.backend.device == "cuda":
             from . import _cuda
 
             if _cuda.supports(self.dtype):
                 self.softmax = _cuda.FusedSoftmax()
                 self.gate = _cuda.FusedGate()
-                return
-        self.softmax = F.SoftmaxKernels(self.xp)
-        self.gate = F.GateKernels(self.xp)
+                self.norm = _cuda.FusedNorm()
+                self.heads = _cuda.FusedHeads()
 
     def train(self, mode: bool = True) -> None:
         self.training = mode
@@ -433,7 +434,7 @@ class DecoderLM:
         cfg, xp = self.config, self.xp
         n = x.shape[0] * x.shape[1]
         x2 = x.reshape(n, cfg.hidden_size)
-        h, rstd = F.rms_norm_forward(xp, x2, self.weights["model.norm.weight"], cfg.rms_norm_eps)
+        h, rstd = self.norm.forward(x2, self.weights["model.norm.weight"], cfg.rms_norm_eps)
         head = self.head_weight()
         loss, dh, dw = F.head_cross_entropy(
             xp,
@@ -448,18 +449,46 @@ class DecoderLM:
         )
         return loss, (x2, rstd, dh, dw)
 
+    def _cast_adapters(self, on: bool) -> None:
+        """With `on`, every LoRA projection's A and B in the compute dtype for this step, cast
+        in one launch (views of one cast of the flat buffer); without, none (the parameters
+        are about to change)."""
+        flat = None
+        if on and self.backend.device == "cuda" and self.dtype != self.param_dtype:
+            flat = self.flat.astype(self.dtype)
+        for proj in self.lora_projections.values():
+            if flat is None:
+                proj.casts = None
+                continue
+            a, b = (self.offsets[f"{proj.name}.lora_{m}.weight"] for m in "AB")
+            proj.casts = (
+                flat[a[0] : a[0] + int(np.prod(a[1]))].reshape(a[1]),
+                flat[b[0] : b[0] + int(np.prod(b[1]))].reshape(b[1]),
+            )
+
     def loss(self, ids: Array, targets: Array, count: int) -> Array:
         """Mean cross-entropy (a 0-d device array) of next-token predictions: ids and targets
         [B, T] on the device, `count` targets not ignored (negative ones are)."""
-        x = self._embed(ids)
-        for layer in self.layers:
-            x, _ = layer.forward(x, keep=False)
-        loss, _ = self._final(x, targets, count, grad=False)
+        self._cast_adapters(True)
+        try:
+            x = self._embed(ids)
+            for layer in self.layers:
+                x, _ = layer.forward(x, keep=False)
+            loss, _ = self._final(x, targets, count, grad=False)
+        finally:
+            self._cast_adapters(False)
         return loss
 
     def forward_backward(self, ids: Array, targets: Array, count: int) -> Array:
         """The loss of one batch, and every trainable parameter's gradient in `grads` (read
         with `flat_gradients()`)."""
+        self._cast_adapters(True)
+        try:
+            return self._forward_backward(ids, targets, count)
+        finally:
+            self._cast_adapters(False)
+
+    def _forward_backward(self, ids: Array, targets: Array, count: int) -> Array:
         cfg, xp = self.config, self.xp
         self.grads = {}
         x = self._embed(ids)
@@ -476,8 +505,8 @@ class DecoderLM:
                 saved.append(s)
         loss, (x2, rstd, dh, dw_head) = self._final(x, targets, count, grad=True)
         del x
-        dx, dw = F.rms_norm_backward(
-            xp, dh, x2, rstd, self.weights["model.norm.weight"], self.norms_trainable
+        dx, dw = self.norm.backward(
+            dh, x2, rstd, self.weights["model.norm.weight"], self.norms_trainable
         )
         del dh, x2
         self.set_grad("model.norm.weight", dw)

@@ -14,8 +14,9 @@ from ...formats import dtype_name, numpy_dtype
 
 try:
     import cupy as cp
+    from cupy_backends.cuda.libs import cublas
 except ImportError:
-    cp = None
+    cp = cublas = None
 
 #: cudaDataType of each element dtype, and cuBLAS's constants.
 _CUDA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 14}
@@ -88,8 +89,6 @@ def gemm(
         a, op_a = cp.ascontiguousarray(a), (_OP_N, k)
     if op_b is None:
         b, op_b = cp.ascontiguousarray(b), (_OP_N, n)
-    from cupy_backends.cuda.libs import cublas
-
     # Row-major out = a @ b is column-major out^T = b^T @ a^T: cuBLAS gets b first.
     c_alpha, c_beta = ctypes.c_float(alpha), ctypes.c_float(beta)
     cublas.gemmEx(
@@ -147,8 +146,6 @@ def gemm_batched(a: Any, b: Any) -> Any:
     if op_b is None:
         b = cp.ascontiguousarray(b)
         op_b = (_OP_N, p, k * p)
-    from cupy_backends.cuda.libs import cublas
-
     # As in `gemm`: row-major a @ b is column-major bᵀ @ aᵀ, so cuBLAS gets b first.
     c_alpha, c_beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     cublas.gemmStridedBatchedEx(
