@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .cupy_pool import CupyPool
+from .nybble_timeline import NybbleTimeline
 from .parts import BREAKDOWN_KEYS, TENSOR_PARTS
 from .quant import FLOAT_FORMATS
 from .replay import TaggedReplay, live_peak
@@ -231,11 +233,100 @@ def _moe_notes(s: TrainingSetup) -> list[str]:
 
 register_framework(PeftBnb())
 
+
+# --- nybble's own GPU trainer -------------------------------------------------------------
+
+#: Bytes a process training with nybble on the GPU holds outside CuPy's pool (CUDA context,
+#: kernel modules, cuBLAS's workspace): NVML's process memory minus the pool's total right
+#: after a step, measured in fresh processes on an H100 (CUDA 13, CuPy 14.2): 594 to 604 MiB
+#: over the four development runs of benchmarks/memory/measure_nybble.py (docs/estimator.md).
+NYBBLE_OUTSIDE_POOL = 600 << 20
+
+
+class NybbleTrainer(FrameworkModel):
+    """nybble's own trainer on the GPU (`nybble.train.Trainer(..., device="cuda")`).
+
+    Its arrays live in CuPy's memory pool, whose reserved bytes follow from the order of every
+    allocation and free: the run is written down by `NybbleTimeline` (a shadow of the
+    trainer's code) and replayed through `CupyPool`, a simulation of CuPy's pool, from the
+    model's construction on, step after step, until a step's reserved peak equals the one
+    before. What decides the memory, each in the timeline:
+    - the base stays in NF4 (0.5 bytes a weight, a float32 scale per 64) and each product
+      dequantizes one projection's W whole to the compute dtype for the GEMM and drops it;
+    - the embedding (and an untied head) are frozen in the compute dtype; the adapters,
+      their gradients and AdamW's two moments and accumulator are float32 flat buffers, and
+      each LoRA layer keeps its last gradients between steps;
+    - attention never holds a [T, T] score matrix: chunks of at most 2^25 scores, two such
+      buffers in backward; the LM head and its loss go 2^25 logits at a time;
+    - without checkpointing every layer keeps what its backward needs (the fused kernels'
+      outputs, the projections' inputs and LoRA products); with it, each layer's input, and
+      one layer's activations at a time in backward.
+    """
+
+    name = "nybble"
+    description = "nybble's GPU trainer (nybble.train.Trainer, CuPy)"
+
+    MIN_STEPS = 3
+    MAX_STEPS = 6
+
+    def replay(self, s: TrainingSetup) -> TaggedReplay:
+        timeline = NybbleTimeline(s)
+        timeline.setup()
+        rp = TaggedReplay(timeline.tape.tags, timeline.tape.phases, allocator=CupyPool())
+        rp.feed(timeline.tape.events)
+        timeline.tape.events.clear()
+        while True:
+            timeline.step()
+            rp.feed(timeline.tape.events)
+            timeline.tape.events.clear()
+            n = timeline.steps_done
+            if n >= self.MAX_STEPS:
+                break
+            if n >= self.MIN_STEPS and rp.steps[-1].reserved_peak == rp.steps[-2].reserved_peak:
+                break
+        return rp
+
+    def footprint(self, s: TrainingSetup) -> Footprint:
+        rp = self.replay(s)
+        steady = rp.steps[-1]
+        phases = [
+            Phase(name, {tag: n for tag, n in parts.items() if n})
+            for name, (_, parts) in steady.phases.items()
+        ]
+        notes = [
+            "nybble's GPU trainer: CuPy's memory pool replayed from the model's construction on; "
+            f"the memory outside the pool is the {NYBBLE_OUTSIDE_POOL >> 20} MiB measured on an "
+            "H100 (docs/estimator.md)"
+        ]
+        if not s.quantized:
+            notes.append(
+                "a dense base: each LoRA layer keeps its own float32 copy of W and, for 16-bit "
+                "activations, one in the compute dtype; frozen projections keep the compute dtype"
+            )
+        return Footprint(
+            phases=phases,
+            allocator_cache=steady.reserved_peak - steady.allocated_peak,
+            context=NYBBLE_OUTSIDE_POOL,
+            notes=notes,
+            details=dict(
+                steps_replayed=len(rp.steps) - 1,
+                segments=rp.allocator.num_segments,
+                largest_request=steady.largest_request,
+            ),
+            margin=validated_margin(steady.reserved_peak),
+            step_reserved=[st.reserved_peak for st in rp.steps],
+        )
+
+
+register_framework(NybbleTrainer())
+
 __all__ = [
     "BREAKDOWN_KEYS",
     "FRAMEWORKS",
+    "NYBBLE_OUTSIDE_POOL",
     "Footprint",
     "FrameworkModel",
+    "NybbleTrainer",
     "PeftBnb",
     "Phase",
     "blk",

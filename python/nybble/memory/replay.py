@@ -16,8 +16,36 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .allocator import CachingAllocator, OutOfMemoryError, round_size
+
+
+class Allocator(Protocol):
+    """What a replay needs of an allocator simulation (`allocator.CachingAllocator`, torch's;
+    `cupy_pool.CupyPool`, CuPy's)."""
+
+    @property
+    def allocated(self) -> int: ...
+
+    @property
+    def peak_allocated(self) -> int: ...
+
+    @property
+    def peak_reserved(self) -> int: ...
+
+    def malloc(self, nbytes: int) -> int: ...
+
+    def free(self, handle: int) -> None: ...
+
+    def block_size(self, handle: int) -> int: ...
+
+    def reset_peak_stats(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+    @property
+    def num_segments(self) -> int: ...
 
 
 @dataclass
@@ -45,8 +73,10 @@ class StepPeaks:
 class TaggedReplay:
     """Feed events (in as many pieces as wanted); read `steps`."""
 
-    def __init__(self, tags: dict[int, str], phases: Sequence[str]) -> None:
-        self.allocator = CachingAllocator()
+    def __init__(
+        self, tags: dict[int, str], phases: Sequence[str], allocator: Allocator | None = None
+    ) -> None:
+        self.allocator: Allocator = allocator if allocator is not None else CachingAllocator()
         self.tags = tags
         self.phases = phases
         self.steps: list[StepPeaks] = [StepPeaks(0)]
@@ -130,4 +160,4 @@ def live_peak(events: Iterable[tuple[str, int, int]], from_step: int) -> int:
     return peak
 
 
-__all__ = ["StepPeaks", "TaggedReplay", "live_peak"]
+__all__ = ["Allocator", "StepPeaks", "TaggedReplay", "live_peak"]
