@@ -302,7 +302,14 @@ class NybbleTimeline:
         self.head = None
         if not a.tie_word_embeddings:
             self.head = Buf(tape, a.vocab_size * a.hidden_size * self.d.e)
-        sizes = s.lora_tensors()
+        # the trainable parameters in the flat buffer's order: layer by layer, A then B
+        sizes = [
+            size
+            for layer in self.layers
+            for proj in layer.proj.values()
+            if proj.lora
+            for size in (s.lora_r * proj.in_f, proj.out_f * s.lora_r)
+        ]
         self.params = sum(sizes)
         self.flat = Buf(tape, self.params * 4, LORA_PARAMS)
         self.flat_grad = Buf(tape, self.params * 4, GRADIENTS)
