@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # _gpu_memory
+sys.path.insert(0, str(HERE.parent))
+from train_gpu import nvml_process_bytes  # noqa: E402
 
 QWEN3_06B = dict(
     hidden_size=1024,
@@ -180,20 +181,6 @@ def compare(results: Path) -> list[dict[str, Any]]:
             row[f"{what}_error"] = None if want is None else round(got / want - 1, 5)
         rows.append(row)
     return rows
-
-
-def nvml_process_bytes() -> int | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if p.pid == os.getpid():
-                return int(p.usedGpuMemory)
-    except Exception:  # NVML is optional: the figure is then absent
-        return None
-    return None
 
 
 def _site(package: str) -> str:
