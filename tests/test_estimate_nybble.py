@@ -196,3 +196,11 @@ def test_the_command_line_takes_the_framework(capsys: pytest.CaptureFixture[str]
     assert main(["estimate", "qwen3-0.6b", "--framework", "nybble", "--json", "-s", "512"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["framework"] == "nybble" and d["total_bytes"] == sum(d["breakdown"].values())
+
+
+def test_the_margin_covers_every_measured_run() -> None:
+    for results in ("dev.jsonl", "holdout.jsonl"):
+        for run in measured(results):
+            est = estimate_of(run["config"])
+            assert est.total_bytes + est.margin_bytes >= run["total"], run["name"]
+            assert "nybble's trainer" in est.context_source

@@ -339,7 +339,7 @@ def _estimate(
     reserved = allocated + fp.allocator_cache
     if context is None:
         context_bytes = fp.context
-        source = outside_allocator(gpu.generation if gpu else None).source
+        source = fp.context_source or outside_allocator(gpu.generation if gpu else None).source
     else:
         context_bytes, source = context, "given"
     breakdown = {k: peak.parts.get(k, 0) for k in TENSOR_PARTS}

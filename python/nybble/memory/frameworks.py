@@ -43,10 +43,10 @@ MARGIN_FRACTION = 0.01
 MARGIN_MIN = 20 << 20
 
 
-def validated_margin(reserved: int) -> int:
-    """`MARGIN_FRACTION` of a reserved peak, at least `MARGIN_MIN`, in whole 2 MiB."""
+def validated_margin(reserved: int, minimum: int = MARGIN_MIN) -> int:
+    """`MARGIN_FRACTION` of a reserved peak, at least `minimum`, in whole 2 MiB."""
     step = 2 << 20
-    return -(-max(MARGIN_MIN, int(reserved * MARGIN_FRACTION)) // step) * step
+    return -(-max(minimum, int(reserved * MARGIN_FRACTION)) // step) * step
 
 
 def blk(nbytes: int) -> int:
@@ -81,6 +81,8 @@ class Footprint:
     margin: int = 0
     #: the reserved peak of every replayed step (setup first)
     step_reserved: list[int] = field(default_factory=list)
+    #: where `context` comes from, when the framework fixes it ("" : the runtime table's)
+    context_source: str = ""
 
     @property
     def peak(self) -> Phase:
@@ -241,6 +243,9 @@ register_framework(PeftBnb())
 #: after a step, measured in fresh processes on an H100 (CUDA 13, CuPy 14.2): 594 to 604 MiB
 #: over the four development runs of benchmarks/memory/measure_nybble.py (docs/estimator.md).
 NYBBLE_OUTSIDE_POOL = 600 << 20
+#: The most a measured run of the trainer held beyond its estimate: its outside part, 634 MiB
+#: in one held-out run (its reserved peak was exact), so the margin is at least 40 MiB.
+NYBBLE_MARGIN_MIN = 40 << 20
 
 
 class NybbleTrainer(FrameworkModel):
@@ -307,13 +312,14 @@ class NybbleTrainer(FrameworkModel):
             phases=phases,
             allocator_cache=steady.reserved_peak - steady.allocated_peak,
             context=NYBBLE_OUTSIDE_POOL,
+            context_source="measured: nybble's trainer on an H100, CUDA 13, CuPy 14.2",
             notes=notes,
             details=dict(
                 steps_replayed=len(rp.steps) - 1,
                 segments=rp.allocator.num_segments,
                 largest_request=steady.largest_request,
             ),
-            margin=validated_margin(steady.reserved_peak),
+            margin=validated_margin(steady.reserved_peak, NYBBLE_MARGIN_MIN),
             step_reserved=[st.reserved_peak for st in rp.steps],
         )
 

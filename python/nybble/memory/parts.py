@@ -44,15 +44,15 @@ BREAKDOWN_KEYS = (*TENSOR_PARTS, ALLOCATOR_CACHE, OUTSIDE_ALLOCATOR)
 DESCRIPTIONS = {
     QUANTIZED_WEIGHTS: "4-bit (or 8-bit) codes of the base model's linear layers",
     QUANT_CONSTANTS: "their scales (absmax), nested scales under double quantization",
-    UNQUANTIZED_WEIGHTS: "embeddings, lm_head, norms, MoE experts (float32 after PEFT's up-cast)",
+    UNQUANTIZED_WEIGHTS: "embeddings, lm_head, norms, dense bases, MoE experts (PEFT: float32)",
     LORA_PARAMS: "the LoRA A and B matrices",
     GRADIENTS: "gradients of the LoRA matrices",
     OPTIMIZER_STATES: "optimizer states and the optimizer step's temporaries",
     ACTIVATIONS: "saved activations, their gradients and the step's temporaries",
     LOGITS_LOSS: "logits, log-softmax and their gradients, labels",
-    RUNTIME_OVERHEAD: "cuBLAS workspaces",
-    ALLOCATOR_CACHE: "free blocks the caching allocator keeps reserved at the peak",
-    OUTSIDE_ALLOCATOR: "process memory outside torch's allocator (CUDA context, kernels)",
+    RUNTIME_OVERHEAD: "cuBLAS workspaces (PEFT); token ids, non-finite check slots (nybble)",
+    ALLOCATOR_CACHE: "free blocks the allocator (torch's, CuPy's pool) keeps at the peak",
+    OUTSIDE_ALLOCATOR: "process memory outside the allocator (CUDA context, kernels)",
 }
 
 __all__ = [
