@@ -38,29 +38,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from train_gpu import nvml_process_bytes  # noqa: E402
+from train_gpu import CASES, nvml_process_bytes  # noqa: E402
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    qk_norm=True,
-    model_type="qwen3",
-    rope_theta=1e6,
-)
-QWEN3_4B_LAYER = dict(
-    QWEN3_06B,
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=1,
-    num_attention_heads=32,
-    vocab_size=256,
-)
+#: The training benchmark's two cases (train_gpu.py): the whole Qwen3-0.6B and one Qwen3-4B layer.
+QWEN3_06B = CASES["qwen3-0.6b"]["model"]
+QWEN3_4B_LAYER = CASES["layer"]["model"]
 TINYLLAMA = dict(
     hidden_size=2048,
     intermediate_size=5632,

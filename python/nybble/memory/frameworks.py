@@ -20,8 +20,9 @@ exactly. Both halves were compared with peaks and allocation traces measured on 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from .cupy_pool import CupyPool
 from .nybble_timeline import NybbleTimeline
@@ -30,7 +31,7 @@ from .quant import FLOAT_FORMATS
 from .replay import TaggedReplay, live_peak
 from .runtime import DEFAULT_OUTSIDE_ALLOCATOR
 from .setup import TrainingSetup
-from .timeline import PeftBnbTimeline
+from .timeline import PeftBnbTimeline, Tape
 
 #: The CUDA caching allocator rounds every block up to this many bytes.
 ALLOC_ROUND = 512
@@ -122,6 +123,49 @@ def get_framework(name: str) -> FrameworkModel:
     return FRAMEWORKS[key]
 
 
+class Timeline(Protocol):
+    """A run written as replay events: `setup()` then one `step()` per training step."""
+
+    tape: Tape
+    steps_done: int
+
+    def setup(self) -> None: ...
+
+    def step(self) -> None: ...
+
+
+def replay_until_steady(
+    timeline: Timeline,
+    make_replay: Callable[[dict[int, str], Sequence[str]], TaggedReplay],
+    min_steps: int,
+    max_steps: int,
+) -> TaggedReplay:
+    """`timeline`'s setup and steps fed to a replay, step after step, until a step's reserved
+    peak equals the one before (at least `min_steps`, at most `max_steps`)."""
+    timeline.setup()
+    rp = make_replay(timeline.tape.tags, timeline.tape.phases)
+    rp.feed(timeline.tape.events)
+    timeline.tape.events.clear()  # fed; only the tags are looked up again
+    while True:
+        timeline.step()
+        rp.feed(timeline.tape.events)
+        timeline.tape.events.clear()
+        n = timeline.steps_done
+        if n >= max_steps:
+            break
+        if n >= min_steps and rp.steps[-1].reserved_peak == rp.steps[-2].reserved_peak:
+            break
+    return rp
+
+
+def steady_phases(rp: TaggedReplay) -> list[Phase]:
+    """The last replayed step's phases, each its allocated bytes by part at its peak."""
+    return [
+        Phase(name, {tag: n for tag, n in parts.items() if n})
+        for name, (_, parts) in rp.steps[-1].phases.items()
+    ]
+
+
 # --- transformers + PEFT + bitsandbytes ---------------------------------------------------
 
 
@@ -153,29 +197,14 @@ class PeftBnb(FrameworkModel):
 
     def replay(self, s: TrainingSetup) -> TaggedReplay:
         """The run's events replayed until the reserved peak stops growing."""
-        timeline = PeftBnbTimeline(s, s.loop)
-        timeline.setup()
-        rp = TaggedReplay(timeline.tape.tags, timeline.tape.phases)
-        rp.feed(timeline.tape.events)
-        timeline.tape.events.clear()  # fed; only the tags are looked up again
-        while True:
-            timeline.step()
-            rp.feed(timeline.tape.events)
-            timeline.tape.events.clear()
-            n = timeline.steps_done
-            if n >= self.MAX_STEPS:
-                break
-            if n >= self.MIN_STEPS and rp.steps[-1].reserved_peak == rp.steps[-2].reserved_peak:
-                break
-        return rp
+        return replay_until_steady(
+            PeftBnbTimeline(s, s.loop), TaggedReplay, self.MIN_STEPS, self.MAX_STEPS
+        )
 
     def footprint(self, s: TrainingSetup) -> Footprint:
         rp = self.replay(s)
         steady = rp.steps[-1]
-        phases = [
-            Phase(name, {tag: n for tag, n in parts.items() if n})
-            for name, (_, parts) in steady.phases.items()
-        ]
+        phases = steady_phases(rp)
         for phase in phases:
             unknown = set(phase.parts) - set(TENSOR_PARTS)
             if unknown:  # a timeline tag outside the breakdown would be lost from the sum
@@ -275,29 +304,19 @@ class NybbleTrainer(FrameworkModel):
     MAX_STEPS = 6
 
     def replay(self, s: TrainingSetup) -> TaggedReplay:
-        timeline = NybbleTimeline(s)
-        timeline.setup()
-        rp = TaggedReplay(timeline.tape.tags, timeline.tape.phases, allocator=CupyPool())
-        rp.feed(timeline.tape.events)
-        timeline.tape.events.clear()
-        while True:
-            timeline.step()
-            rp.feed(timeline.tape.events)
-            timeline.tape.events.clear()
-            n = timeline.steps_done
-            if n >= self.MAX_STEPS:
-                break
-            if n >= self.MIN_STEPS and rp.steps[-1].reserved_peak == rp.steps[-2].reserved_peak:
-                break
-        return rp
+        """The run's events through CuPy's pool until the reserved peak stops growing."""
+
+        def through_cupy_pool(tags: dict[int, str], phases: Sequence[str]) -> TaggedReplay:
+            return TaggedReplay(tags, phases, allocator=CupyPool())
+
+        return replay_until_steady(
+            NybbleTimeline(s), through_cupy_pool, self.MIN_STEPS, self.MAX_STEPS
+        )
 
     def footprint(self, s: TrainingSetup) -> Footprint:
         rp = self.replay(s)
         steady = rp.steps[-1]
-        phases = [
-            Phase(name, {tag: n for tag, n in parts.items() if n})
-            for name, (_, parts) in steady.phases.items()
-        ]
+        phases = steady_phases(rp)
         notes = [
             "nybble's GPU trainer: CuPy's memory pool replayed from the model's construction on; "
             f"the memory outside the pool is the {NYBBLE_OUTSIDE_POOL >> 20} MiB measured on an "
