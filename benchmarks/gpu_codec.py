@@ -103,14 +103,20 @@ def gpu_in_a_row(
     return statistics.median(times)
 
 
+#: Calls a per-call figure takes the median of, at least: the host's share of a call varies
+#: by several microseconds from call to call on the GPU machine.
+PER_CALL_REPEAT = 100
+
+
 def per_call(fn: Callable[[int], Any], repeat: int, warmup: int = 3) -> float:
     """Median GPU time from an event recorded just before fn(i) to one just after it, the GPU
-    idle before each call: the call as a user makes it, the host's work included."""
+    idle before each call: the call as a user makes it, the host's work included (over at
+    least PER_CALL_REPEAT calls)."""
     for i in range(warmup):
         fn(i)
     cp.cuda.Device().synchronize()
     times = []
-    for i in range(repeat):
+    for i in range(max(repeat, PER_CALL_REPEAT)):
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         fn(i)
@@ -635,37 +641,43 @@ def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
         layer.forward(tx)
         layer.backward(tdy)
 
-    # (the call, whether it waits for the GPU: those run without the spin ahead of them)
-    runs: dict[str, tuple[Callable[[], Any], bool]] = {
-        "cuda.nf4_matmul(x, q, out=y), 1 token": (lambda: cuda.nf4_matmul(x, q, out=y), False),
-        "cuda.nf4_matmul(x, q), 1 token": (lambda: cuda.nf4_matmul(x, q), False),
-        "q.dequantize('bfloat16', out=...)": (lambda: q.dequantize("bfloat16", out), False),
-        "nybble.quantize(bf16 4096^2)": (lambda: nybble.quantize(w16), True),
-        "nybble.quantize(f32 4096^2)": (lambda: nybble.quantize(w32), True),
-        "QLoraLinear fwd+bwd, 4096 tokens": (layer_step, False),
-        "an empty CuPy kernel launch": (lambda: _EMPTY((1,), (32,), ()), False),
+    # (the call, whether it waits for the GPU: those run without the spin ahead of them, and
+    # how many calls: few enough of the layer's step, some 20 launches each, that they do not
+    # fill the GPU's launch queue behind the spin, where a launch waits for room)
+    runs: dict[str, tuple[Callable[[], Any], bool, int]] = {
+        "cuda.nf4_matmul(x, q, out=y), 1 token": (
+            lambda: cuda.nf4_matmul(x, q, out=y),
+            False,
+            calls,
+        ),
+        "cuda.nf4_matmul(x, q), 1 token": (lambda: cuda.nf4_matmul(x, q), False, calls),
+        "q.dequantize('bfloat16', out=...)": (lambda: q.dequantize("bfloat16", out), False, calls),
+        "nybble.quantize(bf16 4096^2)": (lambda: nybble.quantize(w16), True, calls),
+        "nybble.quantize(f32 4096^2)": (lambda: nybble.quantize(w32), True, calls),
+        "QLoraLinear fwd+bwd, 4096 tokens": (layer_step, False, 5),
+        "an empty CuPy kernel launch": (lambda: _EMPTY((1,), (32,), ()), False, calls),
     }
     clock_khz = cp.cuda.Device().attributes["ClockRate"]
-    for name, (fn, waits) in runs.items():
+    for name, (fn, waits, n) in runs.items():
         for _ in range(3):
             fn()
         cp.cuda.Device().synchronize()
         if not waits:
             _SPIN((1,), (1,), (np.int64(200 * clock_khz),))  # 200 ms of a busy GPU
         t0 = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(n):
             fn()
-        host = (time.perf_counter() - t0) / calls
+        host = (time.perf_counter() - t0) / n
         profiler = cProfile.Profile()
         profiler.enable()
-        for _ in range(calls):
+        for _ in range(n):
             fn()
         profiler.disable()
         cp.cuda.Device().synchronize()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
         bench.record(f"host time per call: {name}", "-", host)
-        print(f"--- profile: {name} ({calls} calls)\n" + text.getvalue(), flush=True)
+        print(f"--- profile: {name} ({n} calls)\n" + text.getvalue(), flush=True)
     # What the layer step asks of the CUDA runtime and driver (allocations, waits, copies),
     # with the GPU idle at each step's start, as the per-call figure sees it.
     from torch.profiler import ProfilerActivity, profile

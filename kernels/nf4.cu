@@ -341,14 +341,17 @@ __device__ __forceinline__ bool finite(float v) {
 
 // One thread reads 64 bytes of input: PER = 16 (f32) or 32 (16-bit) consecutive elements,
 // inside one block (blocksizes are >= 32); the blocksize / PER threads of a block reduce its
-// absmax together. Non-finite inputs: the smallest flat index goes to *first_bad.
+// absmax together. Non-finite inputs (unless `check` is null: an unchecked quantize): the
+// smallest flat index goes to *check, and *found, a word of host memory the device reaches
+// directly, is set; so the host learns that all is well from *found after the stream
+// synchronize it needs anyway, without a copy, and reads *check only when something was found.
 template <int S, int F>
 __device__ __forceinline__ void quantize(const typename Elem<S>::T* __restrict__ x, i64 n,
                                          int log2_bs, u32 zero_code,
                                          const float* __restrict__ table,
                                          const u8* __restrict__ table_codes,
                                          u8* __restrict__ codes, float* __restrict__ absmax,
-                                         u64* __restrict__ first_bad) {
+                                         u64* check, volatile u32* found) {
     enum {
         VEC = Elem<S>::VEC,
         PER = 4 * VEC,
@@ -386,7 +389,10 @@ __device__ __forceinline__ void quantize(const typename Elem<S>::T* __restrict__
 #pragma unroll
         for (int e = 0; e < PER; ++e)
             if (bad < 0 && !finite(v[e])) bad = e;
-        atomicMin(first_bad, (u64)(i + bad));
+        if (check) {
+            atomicMin(check, (u64)(i + bad));
+            *found = 1u;
+        }
     }
 
     // Every thread takes part in the reduction, also those past the end (their m is 0).
@@ -430,8 +436,9 @@ __device__ __forceinline__ void quantize(const typename Elem<S>::T* __restrict__
     extern "C" __global__ void __launch_bounds__(THREADS)                                      \
         NAME(const Elem<S>::T* __restrict__ x, i64 n, int log2_bs, u32 zero_code,              \
              const float* __restrict__ table, const u8* __restrict__ table_codes,              \
-             u8* __restrict__ codes, float* __restrict__ absmax, u64* __restrict__ first_bad) { \
-        quantize<S, F>(x, n, log2_bs, zero_code, table, table_codes, codes, absmax, first_bad); \
+             u8* __restrict__ codes, float* __restrict__ absmax, u64* check, u32* found) {      \
+        quantize<S, F>(x, n, log2_bs, zero_code, table, table_codes, codes, absmax, check,     \
+                       found);                                                                 \
     }
 #define QUANTIZE_ALL_INPUTS(FORMAT, F)                                                         \
     QUANTIZE(quantize_##FORMAT##_f32, 0, F)                                                    \

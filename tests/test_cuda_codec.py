@@ -126,6 +126,54 @@ def test_non_finite_input_names_the_first_flat_index(bad: float, index: int) -> 
     assert e.value.index == index
 
 
+def test_the_finite_check_reports_each_call_on_its_own() -> None:
+    """quantize's device counter is left clean by every read: a finite input after a bad one
+    passes, a second bad one names its own index, and an unchecked launch (the one a graph
+    capture makes) never reaches the counter."""
+    good = cp.asarray(np.ones(4096, ml_dtypes.bfloat16))
+    for index in (100, 7, 4000):
+        x = cp.ones(4096, cp.float32)
+        x[index] = cp.nan
+        with pytest.raises(nybble.NonFiniteError) as e:
+            nybble.quantize(x)
+        assert e.value.index == index
+        nybble.quantize(good)  # no stale index
+    bad = cp.full(256, cp.inf, cp.float32)
+    launch.quantize(bad, 64, "nf4", check_finite=False)
+    nybble.quantize(cp.ones(256, cp.float32))
+
+
+def test_quantize_from_several_threads_reports_each_threads_own_index() -> None:
+    """Threads quantizing at once (each its own counter; launches that share an argument
+    buffer take turns) get their own results and their own errors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(3)
+    inputs = [cp.asarray(rng.standard_normal(64 * 1024).astype(np.float32)) for _ in range(8)]
+    for i in range(0, 8, 2):
+        inputs[i][1000 * i + 1] = cp.nan
+    want = [None if i % 2 == 0 else nybble.quantize(x).cpu() for i, x in enumerate(inputs)]
+
+    def run(i: int) -> Any:
+        results = []
+        for _ in range(20):
+            try:
+                results.append(nybble.quantize(inputs[i]))
+            except nybble.NonFiniteError as e:
+                results.append(e.index)
+        cp.cuda.get_current_stream().synchronize()
+        return results
+
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(run, range(8)))
+    for i, results in enumerate(found):
+        for got in results:
+            if i % 2 == 0:
+                assert got == 1000 * i + 1
+            else:
+                assert_same_tensor(got, want[i])
+
+
 def test_float64_beyond_float32_range_is_an_error() -> None:
     with pytest.raises(nybble.NonFiniteError) as e:
         nybble.quantize(cp.asarray([1.0, 1e300]))
@@ -269,6 +317,35 @@ def test_dlpack_and_cuda_array_interface_inputs() -> None:
 # --- the launchers check before they launch ---------------------------------------------------
 
 
+@pytest.mark.parametrize("codebook", ["nf4", "int8"])
+def test_dequantize_after_the_first_call_checks_out_as_the_first_did(codebook: str) -> None:
+    """A tensor's later dequantize calls take a path checked once; they still refuse every
+    `out` the first call refuses, and equal the checked path bit for bit."""
+    q = nybble.quantize(cp.asarray(normal((96, 128), 5)), codebook=codebook)
+    want = {d: q.cpu().dequantize(d) for d in OUT_DTYPES}
+    for dtype in OUT_DTYPES:
+        for _ in range(2):  # the first call prepares, the second takes the fast path
+            np.testing.assert_array_equal(bits(q.dequantize(dtype)), bits(want[dtype]))
+            out = cp.empty((96, 128), want[dtype].dtype)
+            assert q.dequantize(dtype, out) is out
+            np.testing.assert_array_equal(bits(out), bits(want[dtype]))
+            flat = cp.empty(96 * 128, want[dtype].dtype)  # any shape of the same size
+            assert q.dequantize(dtype, flat) is flat
+    bad_outs = [
+        cp.empty((96, 128), cp.float16),  # another dtype than asked for
+        cp.empty((96, 127), cp.float32),
+        cp.empty((128, 96), cp.float32).T,  # not C-contiguous
+        cp.empty(96 * 128 + 1, cp.float32)[1:],  # not 16-byte aligned
+        np.empty((96, 128), np.float32),
+    ]
+    for out in bad_outs:
+        with pytest.raises(ValueError, match="out"):
+            q.dequantize("float32", out)
+    empty = nybble.quantize(cp.empty((0, 64), cp.float32))
+    for _ in range(2):
+        assert empty.dequantize("bfloat16").shape == (0, 64)
+
+
 def test_launchers_reject_bad_arguments() -> None:
     n = 256
     codes = cp.zeros(n // 2, cp.uint8)
@@ -305,8 +382,12 @@ def test_launchers_reject_bad_arguments() -> None:
             dequant4(**changes)
     with pytest.raises(ValueError, match="x: expected dtype float32 or float16 or bfloat16"):
         launch.quantize(cp.ones(64, cp.float64), 64, "nf4")
-    with pytest.raises(ValueError, match="x: expected a flat array"):
-        launch.quantize(cp.ones((2, 32), cp.float32), 64, "nf4")
+    with pytest.raises(ValueError, match="x: expected a C-contiguous array"):
+        launch.quantize(cp.ones((32, 2), cp.float32).T, 64, "nf4")
+    square = cp.arange(64 * 64, dtype=cp.float32).reshape(64, 64)  # any shape, in flat order
+    whole, flat = launch.quantize(square, 64, "nf4"), launch.quantize(square.reshape(-1), 64, "nf4")
+    for got, want in zip(whole, flat, strict=True):
+        np.testing.assert_array_equal(bits(got), bits(want))
     with pytest.raises(ValueError, match=r"nested\.codes: expected 4 elements"):
         nested = NestedAbsmax(cp.zeros(5, cp.uint8), cp.ones(1, cp.float32), 0.0)
         launch.dequantize(codes, None, nested, "nf4", "split", 64, n, 0, out)

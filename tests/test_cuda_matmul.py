@@ -192,14 +192,14 @@ def test_gemv_reuses_what_it_prepared_for_a_weight() -> None:
         for m in (1, 5):
             x = tokens((m, 128), dtype, m)
             assert_within_bound(cuda.nf4_gemv(x, q), x, exact_weight(q).T, dtype)
-    assert q.packed in backend._prepared
+    assert id(q.packed) in backend._prepared
     assert backend.gemv_weight(q.packed) is backend.gemv_weight(q.packed)
     x = tokens((2, 128), "bfloat16", 3)
     shifted = cp.empty(q.codes.size + 1, cp.uint8)[1:]
     shifted[:] = q.codes
     odd = nybble.NF4Tensor(shifted, q.absmax, q.shape)
     assert_within_bound(cuda.nf4_gemv(x, odd), x, exact_weight(q).T, "bfloat16")
-    assert odd.packed not in backend._prepared
+    assert id(odd.packed) not in backend._prepared
     as_fp4 = nybble.NF4Tensor(q.codes, q.absmax, q.shape, codebook="fp4")  # same codes, FP4
     assert_within_bound(cuda.nf4_gemv(x, as_fp4), x, exact_weight(as_fp4).T, "bfloat16")
     del q, as_fp4
@@ -207,6 +207,32 @@ def test_gemv_reuses_what_it_prepared_for_a_weight() -> None:
 
     gc.collect()
     assert len(backend._prepared) == 0  # nothing outlives its weight
+
+
+def test_threads_sharing_a_weight_get_their_own_products() -> None:
+    """Threads calling the GEMV of one weight at once (its prepared launches are shared: a
+    call's arguments are set and launched in turn) each get the products of their own x."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q = nybble.quantize(cp.asarray(weight(256, 512, 30)))
+    xs = [tokens((1 + i % 3, 512), "bfloat16", 40 + i) for i in range(8)]
+    want = [cp.asnumpy(cuda.nf4_matmul(x, q)) for x in xs]
+
+    def run(i: int) -> list[np.ndarray]:
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            out = cp.empty((xs[i].shape[0], 256), xs[i].dtype)
+            got = []
+            for k in range(50):
+                y = cuda.nf4_matmul(xs[i], q, out=out if k % 2 else None)
+                got.append(cp.asnumpy(y))  # waits for this stream only
+            return got
+
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(run, range(8)))
+    for i, got in enumerate(found):
+        for y in got:
+            np.testing.assert_array_equal(y.view(np.uint16), want[i].view(np.uint16))
 
 
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------

@@ -256,7 +256,8 @@ def quantize(
     a = backend.float_array(x)
     codes, absmax = backend.quantize(a, bs, cb)
     nested = backend.double_quantize(absmax) if double_quant else None
-    orig: OutputDtype = "float32" if a.dtype.name == "float64" else formats.output_dtype(a.dtype)
+    name = formats.dtype_name(a.dtype)  # remembered per dtype (numpy's .name is slow)
+    orig: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
     packed = Packed(codes, None if nested else absmax, nested, tuple(a.shape), bs, cb)
     return NF4Tensor._trusted(packed, orig)
 

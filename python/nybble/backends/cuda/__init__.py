@@ -44,7 +44,9 @@ class CudaBackend:
         self.xp: ModuleType = cp
         #: What each quantized tensor's launches were prepared with (checks done, argument
         #: buffers built), for as long as its arrays live.
-        self._prepared: weakref.WeakKeyDictionary[Packed, Prepared] = weakref.WeakKeyDictionary()
+        #: by id(packed), an entry leaving when its tensor dies (a weak dictionary's look-up
+        #: makes a weak reference each time, which the per-call fast paths would feel).
+        self._prepared: dict[int, Prepared] = {}
         #: Finite checks of quantize calls made inside a graph capture, raised by check().
         self.captured_checks = DeviceFiniteCheck()
 
@@ -78,10 +80,9 @@ class CudaBackend:
     def quantize(
         self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
     ) -> tuple[Any, Any]:
-        a = self.float_array(x)
-        flat = ready(a).reshape(-1)
+        flat = ready(self.float_array(x))  # C-contiguous: the kernels read it in flat order
         if dtype_name(flat.dtype) == "float64":
-            flat = launch.narrow_f64(flat)  # round to nearest, then quantize as f32
+            flat = launch.narrow_f64(flat.reshape(-1))  # round to nearest, then as f32
         if check_finite and capturing():
             # No read back inside a capture: the scan's result waits for check().
             codes, absmax = launch.quantize(flat, blocksize, codebook, check_finite=False)
@@ -90,6 +91,11 @@ class CudaBackend:
         return launch.quantize(flat, blocksize, codebook, check_finite)
 
     def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
+        prepared = self._prepared.get(id(q))
+        if prepared is not None:  # checked once: a call checks only `out`
+            found = prepared.dequantize.whole(dtype, out)
+            if found is not None:
+                return found
         if out is None:
             out = cp.empty(q.shape, numpy_dtype(dtype))
         elif (
@@ -112,12 +118,14 @@ class CudaBackend:
     def prepared(self, q: Packed) -> Prepared:
         """q's launches, prepared once (kept while q lives; made afresh per call for arrays
         that had to be copied to be aligned, which nothing could keep valid)."""
-        found = self._prepared.get(q)
+        key = id(q)
+        found = self._prepared.get(key)
         if found is not None:
             return found
         made = Prepared(q)
         if made.reusable:
-            self._prepared[q] = made
+            self._prepared[key] = made
+            weakref.finalize(q, self._prepared.pop, key, None)
         return made
 
     def double_quantize(self, absmax: Any) -> NestedAbsmax:
@@ -210,7 +218,7 @@ class CudaBackend:
     def gemv_fast(self, x: Any, w: Packed, out: Any) -> Any:
         """The fused GEMV's fast path (GemvWeight.fast) for a weight already prepared by a
         checked call; None when the call is not of its kind."""
-        prepared = self._prepared.get(w)
+        prepared = self._prepared.get(id(w))
         gemv = None if prepared is None else prepared._gemv
         return None if gemv is None else gemv.fast(x, out)
 
@@ -291,7 +299,7 @@ class Prepared:
             None if q.nested is None else NestedAbsmax(aligned[1], aligned[2], q.nested.offset)
         )
         self.dequantize = launch.DequantizeWeight(
-            self.codes, self.absmax, self.nested, q.codebook, q.blocksize, q.size
+            self.codes, self.absmax, self.nested, q.codebook, q.blocksize, q.shape
         )
         self._gemv: launch.GemvWeight | None = None
 

@@ -5,6 +5,8 @@ launch facts (kernels.LaunchFacts), the tables from the Rust core (nybble.format
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -198,44 +200,144 @@ def dequantize(
 def quantize(
     x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
 ) -> tuple[Any, Any]:
-    """(codes, absmax) of a flat f32/f16/bf16 array. A non-finite value is a NonFiniteError
+    """(codes, absmax) of a C-contiguous f32/f16/bf16 array, in its flat order (any shape: a
+    reshape would cost a view's construction, a microsecond or two of the host's time). A
+    non-finite value is a NonFiniteError
     naming the first flat index; finding out costs one 8-byte read back, and so a wait for the
-    GPU, which `check_finite=False` skips (for inputs finite by construction)."""
+    GPU, which `check_finite=False` skips (for inputs finite by construction, and inside a
+    graph capture, which must not wait)."""
     if codebook not in QUANT_FORMATS:
         raise ValueError(f"codebook: expected one of {', '.join(QUANT_FORMATS)}, got {codebook!r}")
     log2_bs = log2_blocksize(blocksize)
     check_array(x, "x", DTYPES)
-    if x.ndim != 1:
-        raise ValueError(f"x: expected a flat array, got shape {x.shape}")
     n = x.size
     codes = cp.empty(formats.code_bytes(n, codebook), cp.uint8)
     absmax = cp.empty(-(-n // blocksize), cp.float32)
     if n == 0:
         return codes, absmax
-    # Set on the device, no wait (all bits set is _NONE: a memset, cheaper to ask for than a
-    # fill kernel); unread without the check, so then not set at all.
-    first_bad = cp.empty(1, cp.uint64)
-    if check_finite:
-        first_bad.data.memset_async(0xFF, 8)
-    args = (
-        x,
-        np.int64(n),
-        log2_bs,
-        np.uint32(formats.zero_code(codebook)),
-        table("thresholds", codebook),
-        table("codes", codebook),
-        codes,
-        absmax,
-        first_bad,
-    )
-    name = dtype_name(x.dtype)
-    module = kernels.module()
-    kernel = module.function(f"quantize_{codebook}_{SUFFIX[name]}")
-    kernel(_grid(n, module.facts.quant_per_block(name)), (module.facts.threads,), args)
-    bad = int(first_bad.get()[0]) if check_finite else _NONE
-    if bad != _NONE:
-        raise NonFiniteError(bad)
+    device = int(x.data.device_id)
+    key = (codebook, x.dtype, device)
+    prepared = _quantize_launches.get(key)
+    if prepared is None:
+        prepared = _quantize_launches[key] = QuantizeLaunch(codebook, dtype_name(x.dtype), device)
+    counter = FiniteCounter.of(device) if check_finite else None
+    prepared(x, n, log2_bs, codes, absmax, counter)
+    if counter is not None:
+        bad = counter.read()
+        if bad != _NONE:
+            raise NonFiniteError(bad)
     return codes, absmax
+
+
+class QuantizeLaunch:
+    """The quantize kernel of one codebook and input dtype on one device, through a prepared
+    launch: a call sets its arrays and sizes (CuPy's own launch path costs ~10 us more of the
+    host's time, which a per-call figure sees whole)."""
+
+    _X, _N, _LOG2, _CODES, _ABSMAX, _CHECK, _FOUND = 0, 1, 2, 6, 7, 8, 9
+
+    def __init__(self, codebook: KernelCodebook, name: str, device: int) -> None:
+        module = kernels.module(device=device)
+        self.per_block = module.facts.quant_per_block(name)
+        with cp.cuda.Device(device):
+            thresholds, table_codes = table("thresholds", codebook), table("codes", codebook)
+        self._launch = kernels.PreparedLaunch(
+            module.function(f"quantize_{codebook}_{SUFFIX[name]}"),
+            1,
+            module.facts.threads,
+            (
+                thresholds,  # x, set per call
+                np.int64(0),
+                np.int32(0),
+                np.uint32(formats.zero_code(codebook)),
+                thresholds,
+                table_codes,
+                thresholds,  # codes, absmax, the check's words: set per call
+                thresholds,
+                thresholds,
+                thresholds,
+            ),
+        )
+
+    def __call__(
+        self,
+        x: Any,
+        n: int,
+        log2_bs: Any,
+        codes: Any,
+        absmax: Any,
+        counter: FiniteCounter | None,
+    ) -> None:
+        launch = self._launch
+        with launch.lock:
+            launch.set(self._X, x.data.ptr)
+            launch.set(self._N, n)
+            launch.set(self._LOG2, int(log2_bs))
+            launch.set(self._CODES, codes.data.ptr)
+            launch.set(self._ABSMAX, absmax.data.ptr)
+            check, found = (0, 0) if counter is None else counter.arm()  # null: unchecked
+            launch.set(self._CHECK, check)
+            launch.set(self._FOUND, found)
+            launch(-(-n // self.per_block))
+
+
+_quantize_launches: dict[tuple[str, Any, int], QuantizeLaunch] = {}
+
+
+class FiniteCounter:
+    """A thread's finite check for quantize on one device: a device word the kernel keeps the
+    smallest non-finite index in (all ones: none), and a pinned host word it sets when it
+    finds one. After the stream synchronize the check needs anyway, the host reads the host
+    word: nothing to copy back unless something was found, and then both are set back. One
+    per thread, so that concurrent quantize calls never count in each other's words."""
+
+    _local = threading.local()
+
+    @classmethod
+    def of(cls, device: int) -> FiniteCounter:
+        mine: dict[int, FiniteCounter] | None = getattr(cls._local, "by_device", None)
+        if mine is None:
+            mine = cls._local.by_device = {}
+        found = mine.get(device)
+        if found is None:
+            with cp.cuda.Device(device):
+                found = mine[device] = cls()
+        return found
+
+    def __init__(self) -> None:
+        self.device = int(cp.cuda.runtime.getDevice())
+        self.index = cp.full(1, np.uint64(_NONE), cp.uint64)
+        # Pinned host memory is mapped into the device's address space (unified addressing).
+        self._pinned = cp.cuda.alloc_pinned_memory(4)
+        self._found = np.frombuffer(self._pinned, np.uint32, 1)
+        self._found[0] = 0
+        self._pending = False  # a launch may still be running: its read did not finish
+
+    def arm(self) -> tuple[int, int]:
+        """The device and host words' addresses for a launch, after finishing a read that was
+        interrupted."""
+        if self._pending:
+            cp.cuda.Device(self.device).synchronize()
+            self._take()
+        self._pending = True
+        return int(self.index.data.ptr), int(self._pinned.ptr)
+
+    def read(self) -> int:
+        """Waits for the current stream; the index its checked launch found (all ones: none)."""
+        cp.cuda.get_current_stream().synchronize()
+        found = self._take()
+        self._pending = False
+        return found
+
+    def _take(self) -> int:
+        """The index found (all ones: none), both words set back."""
+        if not self._found[0]:
+            return _NONE
+        index = int(self.index.get()[0])
+        self.index.fill(np.uint64(_NONE))
+        cp.cuda.Device(self.device).synchronize()
+        self._found[0] = 0
+        return index
 
 
 NO_INDEX = _NONE  # a scan's result while no non-finite value was seen
@@ -285,9 +387,11 @@ class ScanLaunch:
             return
         n = x.size
         if n:
-            self._launch.set(self._X, x.data.ptr)
-            self._launch.set(self._N, n)
-            self._launch(_grid(n, self.per_block)[0])
+            launch = self._launch
+            with launch.lock:
+                launch.set(self._X, x.data.ptr)
+                launch.set(self._N, n)
+                launch(-(-n // self.per_block))
 
 
 def decode_scales(nested: NestedAbsmax, n: int, out: Any) -> None:
@@ -386,7 +490,9 @@ class GemvWeight:
         self.tiles = -(-rows // facts.tc_rows)
         #: Prepared launches by (token dtype, token count).
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
-        self._row_bytes = 2 * cols  # a row of 16-bit tokens
+        #: The 16-bit ones by (dtype, x's shape), with y's shape: what `fast` takes.
+        self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
+        self._x_strides, self._y_strides = (2 * cols, 2), (2 * rows, 2)
 
     def tc_blocks(self, kernel: Any) -> int:
         """Blocks to launch of a tensor-core GEMV kernel: as many as the GPU holds at once, at
@@ -418,47 +524,48 @@ class GemvWeight:
             return
         if name != "float32":
             launch = self._launch(name, m)
-            launch.set(self._X, x.data.ptr)
-            launch.set(self._TC_Y, y.data.ptr)
-            launch()
+            with launch.lock:
+                launch.set(self._X, x.data.ptr)
+                launch.set(self._TC_Y, y.data.ptr)
+                launch()
             return
         step = self.module.facts.gemv_tokens
         row_bytes = cols * 4
         for t in range(0, m, step):  # rows t.. of x and y: contiguous
             launch = self._launch(name, min(step, m - t))
-            launch.set(self._X, x.data.ptr + t * row_bytes)
-            launch.set(self._F32_Y, y.data.ptr + t * rows * 4)
-            launch()
+            with launch.lock:
+                launch.set(self._X, x.data.ptr + t * row_bytes)
+                launch.set(self._F32_Y, y.data.ptr + t * rows * 4)
+                launch()
 
     def fast(self, x: Any, out: Any) -> Any:
         """The decode loop's call made with the fewest checks that keep it safe: a 2-D
         C-contiguous, 16-byte aligned 16-bit x on the weight's device, 1 <= m <= 8, and `out`
         None or of the same kind. Returns y, or None when the call is not of that kind (the
         checked path then takes it, and says what is wrong)."""
-        shape = x.shape
-        if len(shape) != 2 or shape[1] != self.cols:
+        # Keyed on (dtype, shape): only 16-bit launches of x [m, cols] made by a checked call.
+        found = self._fast.get((x.dtype, x.shape))
+        if found is None:
             return None
-        m = shape[0]
-        launch = self._launches.get((x.dtype, m))
-        if launch is None or x.dtype == np.float32:  # made by a checked call first
-            return None
+        launch, y_shape = found
         data = x.data
-        if x.strides != (self._row_bytes, 2) or data.ptr % 16 or data.device_id != self.device:
+        if x.strides != self._x_strides or data.ptr % 16 or data.device_id != self.device:
             return None
         if out is None:
-            out = cp.empty((m, self.rows), x.dtype)
+            out = cp.empty(y_shape, x.dtype)
         elif (
             type(out) is not cp.ndarray
             or out.dtype != x.dtype
-            or out.shape != (m, self.rows)
-            or out.strides != (2 * self.rows, 2)
+            or out.shape != y_shape
+            or out.strides != self._y_strides
             or out.data.ptr % 16
             or out.data.device_id != self.device
         ):
             return None
-        launch.set(self._X, data.ptr)
-        launch.set(self._TC_Y, out.data.ptr)
-        launch()
+        with launch.lock:
+            launch.set(self._X, data.ptr)
+            launch.set(self._TC_Y, out.data.ptr)
+            launch()
         return out
 
     def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
@@ -500,6 +607,7 @@ class GemvWeight:
             made = kernels.PreparedLaunch(
                 kernel, self.tc_blocks(kernel), facts.tc_threads, args, self.smem
             )
+            self._fast[(key[0], (m, self.cols))] = (made, (m, self.rows))
         self._launches[key] = made
         return made
 
@@ -507,7 +615,8 @@ class GemvWeight:
 class DequantizeWeight:
     """The dequantize launch of one quantized tensor in the split layout, checked once: a
     call, `weight(start, out)`, fills `out` with elements [start, start + out.size) after
-    checking only `out` and the range, through a prepared argument buffer."""
+    checking only `out` and the range, through a prepared argument buffer; `whole` dequantizes
+    all of it with fewer checks still."""
 
     _START, _N, _OUT = 8, 9, 11
 
@@ -518,7 +627,7 @@ class DequantizeWeight:
         nested: NestedAbsmax | None,
         codebook: KernelCodebook,
         blocksize: int,
-        total: int,
+        shape: tuple[int, ...],
     ) -> None:
         if codebook not in QUANT_FORMATS:
             raise ValueError(
@@ -526,7 +635,8 @@ class DequantizeWeight:
             )
         self.bits = formats.code_bits(codebook)
         self.log2_bs = log2_blocksize(blocksize)
-        self.total = total
+        self.shape = shape
+        self.total = total = math.prod(shape)
         check_array(codes, "codes", ("uint8",), formats.code_bytes(total, codebook))
         self.scales = scale_args(absmax, nested, -(-total // blocksize))
         self.codes = codes
@@ -534,6 +644,24 @@ class DequantizeWeight:
         self.device = int(codes.data.device_id)
         self.module = kernels.module(device=self.device)
         self._launches: dict[str, kernels.PreparedLaunch] = {}
+        #: Launches over the whole tensor by output dtype name, with their grid and dtype.
+        self._whole: dict[str, tuple[kernels.PreparedLaunch, int, Any]] = {}
+
+    def _launch(self, name: str) -> kernels.PreparedLaunch:
+        """A prepared launch into `name` outputs (its start, size and output set per call)."""
+        kernel = f"dequant4_split_{SUFFIX[name]}" if self.bits == 4 else f"dequant8_{SUFFIX[name]}"
+        args = (
+            self.codes,
+            *self.scales,
+            self.values,
+            np.int64(0),
+            np.int64(0),
+            self.log2_bs,
+            self.codes,
+        )
+        return kernels.PreparedLaunch(
+            self.module.function(kernel), 1, self.module.facts.threads, args
+        )
 
     def __call__(self, start: int, out: Any) -> None:
         if not _tokens_ok(out, DTYPES, self.device):
@@ -551,23 +679,39 @@ class DequantizeWeight:
         name = dtype_name(out.dtype)
         launch = self._launches.get(name)
         if launch is None:
-            kernel = (
-                f"dequant4_split_{SUFFIX[name]}" if self.bits == 4 else f"dequant8_{SUFFIX[name]}"
-            )
-            args = (
-                self.codes,
-                *self.scales,
-                self.values,
-                np.int64(0),
-                np.int64(0),
-                self.log2_bs,
-                self.codes,
-            )
-            launch = kernels.PreparedLaunch(
-                self.module.function(kernel), 1, self.module.facts.threads, args
-            )
-            self._launches[name] = launch
-        launch.set(self._START, start)
-        launch.set(self._N, n)
-        launch.set(self._OUT, out.data.ptr)
-        launch(_grid(n, self.module.facts.dequant_per_block(name))[0])
+            launch = self._launches[name] = self._launch(name)
+        with launch.lock:
+            launch.set(self._START, start)
+            launch.set(self._N, n)
+            launch.set(self._OUT, out.data.ptr)
+            launch(_grid(n, self.module.facts.dequant_per_block(name))[0])
+
+    def whole(self, dtype: str, out: Any) -> Any:
+        """The whole tensor as `dtype` (one of DTYPES) in `out`, or in a new array of the
+        tensor's shape when `out` is None; returns it. None when `out` is not a C-contiguous,
+        16-byte aligned CuPy array of `dtype` and the tensor's size on its device (the checked
+        path then says what is wrong), or the tensor is empty."""
+        found = self._whole.get(dtype)
+        if found is None:
+            if self.total == 0 or dtype not in DTYPES:
+                return None
+            launch = self._launch(dtype)
+            launch.set(self._N, self.total)
+            grid = _grid(self.total, self.module.facts.dequant_per_block(dtype))[0]
+            found = self._whole[dtype] = (launch, grid, numpy_dtype(dtype))
+        launch, grid, np_dtype = found
+        if out is None:
+            out = cp.empty(self.shape, np_dtype)
+        elif (
+            type(out) is not cp.ndarray
+            or out.dtype != np_dtype
+            or out.size != self.total
+            or not out.flags.c_contiguous
+            or out.data.ptr % 16
+            or out.data.device_id != self.device
+        ):
+            return None
+        with launch.lock:
+            launch.set(self._OUT, out.data.ptr)
+            launch(grid)
+        return out
