@@ -228,13 +228,17 @@ class CudaBackend:
 
     def dora_row_norms(self, w: Any, b: Any, a: Any, scaling: float) -> Any:
         """Row norms of W + s·B·A; a quantized W is dequantized one row tile at a time."""
+        # W + s·B·A in one GEMM per tile (its beta adds W), which also runs inside a graph
+        # capture, where CuPy's own `@` refuses to call cuBLAS.
         if not isinstance(w, Packed):
-            return cp.linalg.norm(w + scaling * (b @ a), axis=1)
+            wide = cp.float64 if cp.float64 in (w.dtype, b.dtype) else cp.float32
+            merged = w.astype(wide)  # a copy, in the sum's dtype
+            return cp.linalg.norm(self.matmul(b, a, scaling, merged, accumulate=True), axis=1)
         rows = _matrix_shape(w)[0]
         norms = cp.empty(rows, cp.float32)
         for r0, r1 in row_tiles(w, "float32"):
             tile = self.dense_rows(w, r0, r1, "float32")
-            tile += scaling * (b[r0:r1] @ a)
+            self.matmul(b[r0:r1], a, scaling, tile, accumulate=True)
             norms[r0:r1] = cp.linalg.norm(tile, axis=1)
         return norms
 

@@ -14,9 +14,8 @@ from ...formats import dtype_name, numpy_dtype
 
 try:
     import cupy as cp
-    from cupy_backends.cuda.libs import cublas
 except ImportError:
-    cp = cublas = None
+    cp = None
 
 #: cudaDataType of each element dtype, and cuBLAS's constants.
 _CUDA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 14}
@@ -25,6 +24,58 @@ DTYPES = tuple(_CUDA_TYPE)
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: float32 sums, no TF32
 _GEMM_DEFAULT = -1
+
+
+class _Cublas:
+    """The cuBLAS calls this module makes, into the library CuPy has loaded, through ctypes:
+    CuPy's own wrappers refuse to run while a stream is being captured into a CUDA graph, which
+    cuBLAS itself allows. Each call is made on CuPy's current stream (set on CuPy's handle for
+    the device first, as CuPy's wrappers do)."""
+
+    def __init__(self) -> None:
+        cp.cuda.device.get_cublas_handle()  # loads the library
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcublas.so" in line}
+        found = sorted(p for p in paths if "libcublasLt" not in p)
+        if not found:
+            raise ImportError("cuBLAS: CuPy's libcublas is not loaded in this process")
+        lib = ctypes.CDLL(found[0])
+        self._set_stream = lib.cublasSetStream_v2
+        self._set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        i, p, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+        self._gemm = lib.cublasGemmEx
+        self._gemm.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+        self._batched = lib.cublasGemmStridedBatchedEx
+        self._batched.argtypes = [
+            *(p, i, i, i, i, i, p),
+            *(p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i),
+        ]
+
+    def _handle(self) -> int:
+        handle = int(cp.cuda.device.get_cublas_handle())
+        _check(self._set_stream(handle, cp.cuda.get_current_stream().ptr), "cublasSetStream")
+        return handle
+
+    def gemm(self, *args: Any) -> None:
+        _check(self._gemm(self._handle(), *args), "cublasGemmEx")
+
+    def gemm_batched(self, *args: Any) -> None:
+        _check(self._batched(self._handle(), *args), "cublasGemmStridedBatchedEx")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: cublasStatus_t {status}")
+
+
+_cublas: _Cublas | None = None
+
+
+def _library() -> _Cublas:
+    global _cublas
+    if _cublas is None:
+        _cublas = _Cublas()
+    return _cublas
 
 
 def _operand(a: Any) -> tuple[int, int] | None:
@@ -91,8 +142,7 @@ def gemm(
         b, op_b = cp.ascontiguousarray(b), (_OP_N, n)
     # Row-major out = a @ b is column-major out^T = b^T @ a^T: cuBLAS gets b first.
     c_alpha, c_beta = ctypes.c_float(alpha), ctypes.c_float(beta)
-    cublas.gemmEx(
-        cp.cuda.device.get_cublas_handle(),
+    _library().gemm(
         op_b[0],
         op_a[0],
         n,
@@ -148,8 +198,7 @@ def gemm_batched(a: Any, b: Any) -> Any:
         op_b = (_OP_N, p, k * p)
     # As in `gemm`: row-major a @ b is column-major bᵀ @ aᵀ, so cuBLAS gets b first.
     c_alpha, c_beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-    cublas.gemmStridedBatchedEx(
-        cp.cuda.device.get_cublas_handle(),
+    _library().gemm_batched(
         op_b[0],
         op_a[0],
         p,
