@@ -34,6 +34,7 @@ from _timing import RESULTS, emit
 import nybble
 from nybble import cuda
 from nybble.backends.cuda import kernels, launch
+from nybble.backends.cuda.arrays import as_cupy
 from nybble.formats import NestedAbsmax
 
 SHAPES = [(4096, 4096), (14336, 4096), (8192, 8192)]
@@ -615,6 +616,18 @@ class Bench:
                 extra["ratio_nybble_to_this"] = round(mine / seconds, 3)
                 extra["nybble_speedup"] = round(seconds / mine, 3)
             self.record(f"layer fwd+bwd: {name}", shape, seconds, **extra)
+        # The same step captured once and replayed: what the host's share of the eager step
+        # costs (CuPy views of the torch tensors made first, outside the capture).
+        xc, dyc = as_cupy(x), as_cupy(dy)
+        graph = cuda.capture(lambda: (layer.forward(xc), layer.backward(dyc)), xc, dyc)
+        replay = per_call(lambda i: graph.replay(), self.repeat)
+        self.record(
+            "layer fwd+bwd, replayed graph: nybble QLoraLinear.cuda()",
+            shape,
+            replay,
+            ratio_to_eager=round(replay / mine, 3),
+            ratio_to_peft_dense=round(replay / times["PEFT on dense nn.Linear"], 3),
+        )
 
 
 def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
