@@ -33,13 +33,7 @@ class _Cublas:
     the device first, as CuPy's wrappers do)."""
 
     def __init__(self) -> None:
-        cp.cuda.device.get_cublas_handle()  # loads the library
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcublas.so" in line}
-        found = sorted(p for p in paths if "libcublasLt" not in p)
-        if not found:
-            raise ImportError("cuBLAS: CuPy's libcublas is not loaded in this process")
-        lib = ctypes.CDLL(found[0])
+        lib = ctypes.CDLL(_loaded_cublas())
         self._set_stream = lib.cublasSetStream_v2
         self._set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         i, p, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
@@ -61,6 +55,22 @@ class _Cublas:
 
     def gemm_batched(self, *args: Any) -> None:
         _check(self._batched(self._handle(), *args), "cublasGemmStridedBatchedEx")
+
+
+def _loaded_cublas() -> str:
+    """The path of the libcublas CuPy loaded (the one its handles belong to), from the
+    process's memory map; else the library by its versioned name."""
+    cp.cuda.device.get_cublas_handle()  # loads it
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcublas.so" in line}
+    except OSError:
+        paths = set()
+    found = sorted(p for p in paths if "libcublasLt" not in p)
+    if found:
+        return found[0]
+    major = cp.cuda.runtime.runtimeGetVersion() // 1000
+    return f"libcublas.so.{major}"
 
 
 def _check(status: int, what: str) -> None:
