@@ -5,8 +5,10 @@ launch facts (kernels.LaunchFacts), the tables from the Rust core (nybble.format
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ QUANT_FORMATS: tuple[KernelCodebook, ...] = ("nf4", "fp4", "int8", "dynamic8")
 #: Element offsets a dequantize may start at: a store's 16 bytes of output share one scale.
 _START_ALIGN = {4: 32, 8: 16}
 _NONE = 2**64 - 1  # first_bad before any non-finite value is seen
+_HOST_PORTABLE, _HOST_MAPPED = 1, 2  # cudaHostAllocPortable, cudaHostAllocMapped
 
 
 def kernel_names() -> list[str]:
@@ -307,9 +310,13 @@ class FiniteCounter:
     def __init__(self) -> None:
         self.device = int(cp.cuda.runtime.getDevice())
         self.index = cp.full(1, np.uint64(_NONE), cp.uint64)
-        # Pinned host memory is mapped into the device's address space (unified addressing).
-        self._pinned = cp.cuda.alloc_pinned_memory(4)
-        self._found = np.frombuffer(self._pinned, np.uint32, 1)
+        # A pinned host word mapped into every device's address space (portable, mapped: with
+        # unified addressing the device reaches it at the host's address), its own allocation
+        # rather than a block of CuPy's pinned pool, which any device's context may have made.
+        self._host_word = int(cp.cuda.runtime.hostAlloc(4, _HOST_PORTABLE | _HOST_MAPPED))
+        release = weakref.finalize(self, cp.cuda.runtime.freeHost, self._host_word)
+        release.atexit = False  # at exit the process's memory goes anyway, CUDA maybe first
+        self._found = np.ctypeslib.as_array((ctypes.c_uint32 * 1).from_address(self._host_word))
         self._found[0] = 0
         self._pending = False  # a launch may still be running: its read did not finish
 
@@ -320,7 +327,7 @@ class FiniteCounter:
             cp.cuda.Device(self.device).synchronize()
             self._take()
         self._pending = True
-        return int(self.index.data.ptr), int(self._pinned.ptr)
+        return int(self.index.data.ptr), self._host_word
 
     def read(self) -> int:
         """Waits for the current stream; the index its checked launch found (all ones: none)."""
