@@ -205,10 +205,9 @@ def quantize(
 ) -> tuple[Any, Any]:
     """(codes, absmax) of a C-contiguous f32/f16/bf16 array, in its flat order (any shape: a
     reshape would cost a view's construction, a microsecond or two of the host's time). A
-    non-finite value is a NonFiniteError
-    naming the first flat index; finding out costs one 8-byte read back, and so a wait for the
-    GPU, which `check_finite=False` skips (for inputs finite by construction, and inside a
-    graph capture, which must not wait)."""
+    non-finite value is a NonFiniteError naming the first flat index; finding out costs a wait
+    for the GPU (then a read of a host word, FiniteCounter), which `check_finite=False` skips
+    (for inputs finite by construction, and inside a graph capture, which must not wait)."""
     if codebook not in QUANT_FORMATS:
         raise ValueError(f"codebook: expected one of {', '.join(QUANT_FORMATS)}, got {codebook!r}")
     log2_bs = log2_blocksize(blocksize)
