@@ -172,3 +172,20 @@ def test_double_quantization_is_refused_inside_a_capture() -> None:
     x = random((64, 256), "float32", 8)
     with pytest.raises(RuntimeError, match="double quantization reads the scales back"):
         cuda.capture(lambda: nybble.quantize(x, double_quant=True), x, warmup=0)
+
+
+def test_work_that_waits_inside_a_capture_raises_its_own_error() -> None:
+    """A read back to the host inside the captured work is an error of that read (not of the
+    capture it invalidated), and the next capture works."""
+    x = random((8, 64), "float32", 9)
+
+    def reads_back() -> None:
+        x.get()
+
+    with pytest.raises(Exception) as e:
+        cuda.capture(reads_back, x, warmup=0)
+    assert "invalidated" not in str(e.value).lower()
+    y = cp.empty((8, 64), cp.float32)
+    graph = cuda.capture(lambda: cp.multiply(x, 2, out=y), x, y)
+    graph.replay()
+    np.testing.assert_array_equal(cp.asnumpy(y), cp.asnumpy(x) * 2)

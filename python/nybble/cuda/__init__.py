@@ -157,8 +157,13 @@ def capture(work: Callable[[], object], *buffers: Any, warmup: int = 1) -> Graph
         stream.begin_capture()
         try:
             work()
-        finally:
-            graph = stream.end_capture()
+        except BaseException:
+            try:  # end the capture, which the error may have invalidated; raise the error
+                stream.end_capture()
+            except Exception:
+                pass
+            raise
+        graph = stream.end_capture()
     stream.synchronize()
     return Graph(graph, buffers, allocations)
 
