@@ -43,9 +43,9 @@ class CudaBackend:
     def __init__(self) -> None:
         self.xp: ModuleType = cp
         #: What each quantized tensor's launches were prepared with (checks done, argument
-        #: buffers built), for as long as its arrays live.
-        #: by id(packed), an entry leaving when its tensor dies (a weak dictionary's look-up
-        #: makes a weak reference each time, which the per-call fast paths would feel).
+        #: buffers built), by id(packed): an entry leaves when its tensor dies (a weak
+        #: dictionary's look-up makes a weak reference each time, which the per-call fast
+        #: paths would feel).
         self._prepared: dict[int, Prepared] = {}
         #: Finite checks of quantize calls made inside a graph capture, raised by check().
         self.captured_checks = DeviceFiniteCheck()
@@ -286,7 +286,7 @@ class Prepared:
     """The launches of one quantized tensor, its arrays checked (and aligned) once."""
 
     def __init__(self, q: Packed) -> None:
-        # Not q itself: the backend keeps this while q lives, weakly keyed on q.
+        # Not q itself: the backend keeps this while q lives, keyed on id(q).
         self.codebook, self.shape, self.blocksize = (
             q.codebook,
             _matrix_shape_or_none(q),

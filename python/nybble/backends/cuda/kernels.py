@@ -184,10 +184,10 @@ _SCALARS: dict[type, type[ctypes._SimpleCData[Any]]] = {
 
 class PreparedLaunch:
     """A kernel launch whose argument buffer is built once: a call changes only the arguments
-    that vary (`set`) and calls cuLaunchKernel directly (cupy.cuda.driver.launchKernel),
-    without CuPy's per-call argument processing, which costs about 10 us of host time, as
-    much as a 1-token GEMV runs. Arguments: CuPy arrays (passed as their address, kept alive
-    here) or numpy scalars of the kernel's parameter types."""
+    that vary and calls cuLaunchKernel directly (cupy.cuda.driver.launchKernel), without
+    CuPy's per-call argument processing, which costs about 10 us of host time, as much as a
+    1-token GEMV runs. Arguments: CuPy arrays (passed as their address, kept alive here) or
+    numpy scalars of the kernel's parameter types."""
 
     def __init__(
         self,
@@ -201,9 +201,9 @@ class PreparedLaunch:
 
         self.kernel = kernel
         self.grid, self.block, self.shared_mem = grid, block, shared_mem
-        #: Held by a caller from its first `set` to the launch, so that threads sharing this
-        #: launch never launch with each other's arguments.
-        self.lock = threading.Lock()
+        # Held from a call's first change to its launch, so that threads sharing this launch
+        # never launch with each other's arguments.
+        self._lock = threading.Lock()
         # Bound once: a call then makes no import or module look-up (a microsecond or two of
         # the host's time per launch, measured on the GPU machine).
         self._launch_kernel = driver.launchKernel
@@ -220,25 +220,27 @@ class PreparedLaunch:
         self._params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in self._values))
         self._params_address = ctypes.addressof(self._params)
 
-    def set(self, index: int, value: int | float) -> None:
-        """Changes argument `index` (an address or a scalar) for the calls that follow."""
-        self._values[index].value = value
-
-    def __call__(self, grid: int | None = None) -> None:
-        """Launches on CuPy's current stream (the capturing one inside a graph capture)."""
-        self._launch_kernel(
-            self._function,
-            self.grid if grid is None else grid,
-            1,
-            1,
-            self.block,
-            1,
-            1,
-            self.shared_mem,
-            self._current_stream().ptr,
-            self._params_address,
-            0,
-        )
+    def __call__(self, *changes: tuple[int, int | float], grid: int | None = None) -> None:
+        """Launches on CuPy's current stream (the capturing one inside a graph capture), after
+        setting each (argument index, address or scalar) of `changes`; the changes stay for
+        the calls that follow."""
+        values = self._values
+        with self._lock:
+            for index, value in changes:
+                values[index].value = value
+            self._launch_kernel(
+                self._function,
+                self.grid if grid is None else grid,
+                1,
+                1,
+                self.block,
+                1,
+                1,
+                self.shared_mem,
+                self._current_stream().ptr,
+                self._params_address,
+                0,
+            )
 
 
 _modules: dict[tuple[int, tuple[str, ...]], KernelModule] = {}

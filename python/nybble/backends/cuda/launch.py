@@ -270,17 +270,17 @@ class QuantizeLaunch:
         absmax: Any,
         counter: FiniteCounter | None,
     ) -> None:
-        launch = self._launch
-        with launch.lock:
-            launch.set(self._X, x.data.ptr)
-            launch.set(self._N, n)
-            launch.set(self._LOG2, int(log2_bs))
-            launch.set(self._CODES, codes.data.ptr)
-            launch.set(self._ABSMAX, absmax.data.ptr)
-            check, found = (0, 0) if counter is None else counter.arm()  # null: unchecked
-            launch.set(self._CHECK, check)
-            launch.set(self._FOUND, found)
-            launch(-(-n // self.per_block))
+        check, found = (0, 0) if counter is None else counter.arm()  # null: unchecked
+        self._launch(
+            (self._X, x.data.ptr),
+            (self._N, n),
+            (self._LOG2, int(log2_bs)),
+            (self._CODES, codes.data.ptr),
+            (self._ABSMAX, absmax.data.ptr),
+            (self._CHECK, check),
+            (self._FOUND, found),
+            grid=_grid(n, self.per_block)[0],
+        )
 
 
 _quantize_launches: dict[tuple[str, Any, int], QuantizeLaunch] = {}
@@ -393,11 +393,7 @@ class ScanLaunch:
             return
         n = x.size
         if n:
-            launch = self._launch
-            with launch.lock:
-                launch.set(self._X, x.data.ptr)
-                launch.set(self._N, n)
-                launch(-(-n // self.per_block))
+            self._launch((self._X, x.data.ptr), (self._N, n), grid=_grid(n, self.per_block)[0])
 
 
 def decode_scales(nested: NestedAbsmax, n: int, out: Any) -> None:
@@ -529,20 +525,14 @@ class GemvWeight:
         if rows == 0:
             return
         if name != "float32":
-            launch = self._launch(name, m)
-            with launch.lock:
-                launch.set(self._X, x.data.ptr)
-                launch.set(self._TC_Y, y.data.ptr)
-                launch()
+            self._launch(name, m)((self._X, x.data.ptr), (self._TC_Y, y.data.ptr))
             return
         step = self.module.facts.gemv_tokens
         row_bytes = cols * 4
         for t in range(0, m, step):  # rows t.. of x and y: contiguous
-            launch = self._launch(name, min(step, m - t))
-            with launch.lock:
-                launch.set(self._X, x.data.ptr + t * row_bytes)
-                launch.set(self._F32_Y, y.data.ptr + t * rows * 4)
-                launch()
+            self._launch(name, min(step, m - t))(
+                (self._X, x.data.ptr + t * row_bytes), (self._F32_Y, y.data.ptr + t * rows * 4)
+            )
 
     def fast(self, x: Any, out: Any) -> Any:
         """The decode loop's call made with the fewest checks that keep it safe: a 2-D
@@ -568,10 +558,7 @@ class GemvWeight:
             or out.data.device_id != self.device
         ):
             return None
-        with launch.lock:
-            launch.set(self._X, data.ptr)
-            launch.set(self._TC_Y, out.data.ptr)
-            launch()
+        launch((self._X, data.ptr), (self._TC_Y, out.data.ptr))
         return out
 
     def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
@@ -653,17 +640,18 @@ class DequantizeWeight:
         #: Launches over the whole tensor by output dtype name, with their grid and dtype.
         self._whole: dict[str, tuple[kernels.PreparedLaunch, int, Any]] = {}
 
-    def _launch(self, name: str) -> kernels.PreparedLaunch:
-        """A prepared launch into `name` outputs (its start, size and output set per call)."""
+    def _launch(self, name: str, n: int = 0) -> kernels.PreparedLaunch:
+        """A prepared launch of n elements into `name` outputs (its start, output, and size
+        when n is 0, set per call)."""
         kernel = f"dequant4_split_{SUFFIX[name]}" if self.bits == 4 else f"dequant8_{SUFFIX[name]}"
         args = (
             self.codes,
             *self.scales,
             self.values,
-            np.int64(0),
-            np.int64(0),
+            np.int64(0),  # start
+            np.int64(n),
             self.log2_bs,
-            self.codes,
+            self.codes,  # the output, set per call
         )
         return kernels.PreparedLaunch(
             self.module.function(kernel), 1, self.module.facts.threads, args
@@ -686,11 +674,12 @@ class DequantizeWeight:
         launch = self._launches.get(name)
         if launch is None:
             launch = self._launches[name] = self._launch(name)
-        with launch.lock:
-            launch.set(self._START, start)
-            launch.set(self._N, n)
-            launch.set(self._OUT, out.data.ptr)
-            launch(_grid(n, self.module.facts.dequant_per_block(name))[0])
+        launch(
+            (self._START, start),
+            (self._N, n),
+            (self._OUT, out.data.ptr),
+            grid=_grid(n, self.module.facts.dequant_per_block(name))[0],
+        )
 
     def whole(self, dtype: str, out: Any) -> Any:
         """The whole tensor as `dtype` (one of DTYPES) in `out`, or in a new array of the
@@ -701,8 +690,7 @@ class DequantizeWeight:
         if found is None:
             if self.total == 0 or dtype not in DTYPES:
                 return None
-            launch = self._launch(dtype)
-            launch.set(self._N, self.total)
+            launch = self._launch(dtype, self.total)
             grid = _grid(self.total, self.module.facts.dequant_per_block(dtype))[0]
             found = self._whole[dtype] = (launch, grid, numpy_dtype(dtype))
         launch, grid, np_dtype = found
@@ -717,7 +705,5 @@ class DequantizeWeight:
             or out.data.device_id != self.device
         ):
             return None
-        with launch.lock:
-            launch.set(self._OUT, out.data.ptr)
-            launch(grid)
+        launch((self._OUT, out.data.ptr), grid=grid)
         return out
