@@ -80,15 +80,15 @@ class CudaBackend:
     def quantize(
         self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
     ) -> tuple[Any, Any]:
-        flat = ready(self.float_array(x))  # C-contiguous: the kernels read it in flat order
-        if dtype_name(flat.dtype) == "float64":
-            flat = launch.narrow_f64(flat.reshape(-1))  # round to nearest, then as f32
+        a = ready(self.float_array(x))  # C-contiguous: the kernels read it in flat order
+        if dtype_name(a.dtype) == "float64":
+            a = launch.narrow_f64(a.reshape(-1))  # round to nearest, then as f32
         if check_finite and capturing():
             # No read back inside a capture: the scan's result waits for check().
-            codes, absmax = launch.quantize(flat, blocksize, codebook, check_finite=False)
-            self.captured_checks.record(flat, "x of a captured quantize")
+            codes, absmax = launch.quantize(a, blocksize, codebook, check_finite=False)
+            self.captured_checks.record(a, "x of a captured quantize")
             return codes, absmax
-        return launch.quantize(flat, blocksize, codebook, check_finite)
+        return launch.quantize(a, blocksize, codebook, check_finite)
 
     def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
         prepared = self._prepared.get(id(q))
