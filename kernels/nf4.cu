@@ -304,14 +304,16 @@ DEQUANT8(dequant8_bf16, 2)
 // come from the launcher.
 enum { NF4 = 0, FP4 = 1, INT8 = 2, DYNAMIC8 = 3 };
 
-// NF4 and FP4 (its magnitude) use 65 buckets of width 1/32 over [-1, 1]: no two thresholds are
-// that close, so bucket b = floor(v * 32) (exact: a power-of-two scaling, then floor) holds at
-// most one, thr[b] (+inf if none), and the code is codes[b][v > thr[b]]. A tie (v == thr[b])
-// takes the lower code.
-#define BUCKETS 65
+// NF4 and FP4 (its magnitude) use buckets of width 1/32 over [-33/32, 33/32): no two thresholds
+// are that close, so bucket b = floor(v * 32) holds at most one, thr[b] (+inf if none), and the
+// code is codes[b][v > thr[b]]. A tie (v == thr[b]) takes the lower code. The bucket comes from
+// one fused multiply-add rounded down: v * 32 is exact (a power-of-two scaling) and
+// 1.5 * 2^23 + 33 has a unit last place, so the sum's low bits are floor(v * 32) + 33, which is
+// 0..65 for |v| <= 1 + 2^-24 (v * (1 / absmax) may pass 1 by a rounding). The table has 128
+// buckets, so that the mask keeps any index in it (a NaN's included: its code is never used).
+#define BUCKETS 128
 __device__ __forceinline__ u32 bucket_code(float v, const float* thr, const u8* codes) {
-    int b = __float2int_rd(__fmul_rn(v, 32.0f));
-    b = min(max(b, -32), 32) + 32;
+    const u32 b = __float_as_uint(__fmaf_rd(v, 32.0f, 12582945.0f)) & (BUCKETS - 1);
     return codes[2 * b + (v > thr[b] ? 1 : 0)];
 }
 
@@ -369,7 +371,8 @@ __device__ __forceinline__ void quantize(const typename Elem<S>::T* __restrict__
 #pragma unroll
         for (int e = 0; e < PER; ++e) v[e] = e < valid ? Elem<S>::load(x[i + e]) : 0.0f;
     }
-    // The tables go to shared memory while the loads above are in flight.
+    // The tables go to shared memory while the loads above are in flight, an entry a thread.
+    static_assert(NTHR <= THREADS && 2 * BUCKETS <= THREADS, "a table entry per thread");
     __shared__ float thr[NTHR > 0 ? NTHR : 1];
     __shared__ u8 thr_codes[2 * BUCKETS];
     __shared__ float warp_max[THREADS / 32];
@@ -412,8 +415,10 @@ __device__ __forceinline__ void quantize(const typename Elem<S>::T* __restrict__
     // last nibble comes out right. An all-zero block is zero_code throughout.
     u32 w[PER / 4] = {};
     auto put = [&](int e, u32 c) {
-        if (BITS == 4) w[e >> 3] |= c << (4 * (e & 7));  // element 2k in the low nibble
-        else w[e >> 2] |= c << (8 * (e & 3));
+        // element 2k in the low nibble; the fields are disjoint, so a multiply-add places c
+        // (on the FMA pipe, which the encoding leaves idler than the integer one)
+        if (BITS == 4) w[e >> 3] = c * (1u << (4 * (e & 7))) + w[e >> 3];
+        else w[e >> 2] = c * (1u << (8 * (e & 3))) + w[e >> 2];
     };
     const float inv = __frcp_rn(m);
     if (m == 0.0f) {
@@ -1065,6 +1070,7 @@ extern "C" __device__ long long launch_facts[] = {
     THREADS * Elem<0>::VEC,                   // non-finite scan: inputs per block, float32
     THREADS * Elem<1>::VEC,                   //   float16
     THREADS * Elem<2>::VEC,                   //   bfloat16
+    BUCKETS,                                  // quantize: NF4 / FP4 encoding table entries
     GEMV_THREADS,                             // float32 GEMV: threads per block
     GEMV_ROWS,                                //   rows per block
     GEMV_F32_TOKENS,                          //   tokens per launch

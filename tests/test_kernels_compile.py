@@ -10,9 +10,10 @@ import importlib.util
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from nybble import _core
+from nybble import _core, formats, reference
 from nybble.backends.cuda import kernels, launch
 
 
@@ -119,6 +120,38 @@ def test_the_module_defines_its_launch_facts(arch: str) -> None:
         assert facts.quant_per_block(dtype) % facts.threads == 0
     assert facts.tc_shared_g32 > 256 * 256 and facts.tc_shared_g64 > facts.tc_shared_g32
     assert facts.gemv_tokens >= 1 and facts.tc_rows == 16
+
+
+@pytest.mark.parametrize("codebook", ["nf4", "fp4"])
+def test_the_encoding_tables_give_the_reference_codes(codebook: str) -> None:
+    """The quantize kernels' bucket rule (bucket_code in the kernel source: bucket
+    floor(v * 32) + 33 masked to the table, then codes[b][v > thr[b]]) over the host's tables
+    of the module's size gives the reference codes: at every threshold and bucket edge, the
+    floats beside them, past +-1 by the roundings a quantize allows, and at random."""
+    facts = launch_facts(compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, "sm_90"))
+    buckets = facts.quant_buckets
+    thr = launch._host_table("thresholds", codebook, buckets)
+    codes = launch._host_table("codes", codebook, buckets)
+    assert thr.size == buckets and codes.size == 2 * buckets
+    marks = np.concatenate(
+        [formats.thresholds(codebook), np.arange(-33, 34) / 32, [0.0, -0.0]]
+    ).astype(np.float32)
+    rng = np.random.default_rng(0)
+    v = np.concatenate(
+        [
+            marks,
+            np.nextafter(marks, np.float32(np.inf)),
+            np.nextafter(marks, np.float32(-np.inf)),
+            rng.uniform(-1, 1, 100_000).astype(np.float32),
+        ]
+    )
+    v = v[np.abs(v) <= np.float32(1 + 2**-23)]  # x * (1 / absmax) passes 1 by a rounding at most
+    magnitude = np.abs(v) if codebook == "fp4" else v
+    b = (np.floor(magnitude.astype(np.float64) * 32).astype(np.int64) + 33) & (buckets - 1)
+    got = codes[2 * b + (magnitude > thr[b])]
+    if codebook == "fp4":
+        got = got | np.where(v < 0, 0b1000, 0).astype(np.uint8)
+    np.testing.assert_array_equal(got, reference.encode(v, codebook))
 
 
 def test_the_host_owns_the_gemv_token_count() -> None:

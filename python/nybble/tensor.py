@@ -82,11 +82,13 @@ class NF4Tensor:
         self.orig_dtype: OutputDtype = orig_dtype
 
     @classmethod
-    def _trusted(cls, packed: Packed, orig_dtype: OutputDtype) -> NF4Tensor:
-        """A tensor of arrays nybble made itself (quantized or moved): shapes checked, values
-        not read back (they are right by construction, and reading them would wait on a GPU)."""
+    def _trusted(cls, packed: Packed, orig_dtype: OutputDtype, check: bool = True) -> NF4Tensor:
+        """A tensor of arrays nybble made itself (quantized or moved): shapes checked unless
+        `check` is False (arrays a backend's quantize just sized from the shape: the check
+        costs ~2 us of a GPU call's host time), values not read back (they are right by
+        construction, and reading them would wait on a GPU)."""
         t = cls.__new__(cls)
-        t._init(packed.check(), orig_dtype)
+        t._init(packed.check() if check else packed, orig_dtype)
         return t
 
     # --- properties ---------------------------------------------------------------------
@@ -259,7 +261,7 @@ def quantize(
     name = formats.dtype_name(a.dtype)  # remembered per dtype (numpy's .name is slow)
     orig: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
     packed = Packed(codes, None if nested else absmax, nested, tuple(a.shape), bs, cb)
-    return NF4Tensor._trusted(packed, orig)
+    return NF4Tensor._trusted(packed, orig, check=False)
 
 
 def dequantize(q: NF4Tensor, dtype: Any = "float32", out: Any = None) -> Any:

@@ -24,7 +24,7 @@ from ...formats import (
 )
 from .. import Device, cpu
 from . import blas, launch
-from .arrays import as_cupy, ready
+from .arrays import as_cupy, c_contiguous, ready
 from .kernels import GEMV_MAX_TOKENS
 
 try:
@@ -102,7 +102,7 @@ class CudaBackend:
             type(out) is not cp.ndarray
             or dtype_name(out.dtype) != dtype
             or out.size != q.size
-            or not out.flags.c_contiguous
+            or not c_contiguous(out)
         ):
             raise ValueError(
                 f"out: expected a C-contiguous {dtype} CuPy array of {q.size} elements, got "
@@ -327,7 +327,7 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: Any) -> None:
         type(out) is not cp.ndarray
         or tuple(out.shape) != shape
         or out.dtype != dtype
-        or not out.flags.c_contiguous
+        or not c_contiguous(out)
     ):
         raise ValueError(
             f"out: expected a C-contiguous CuPy array of shape {shape} and dtype "

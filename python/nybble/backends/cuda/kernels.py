@@ -57,6 +57,7 @@ class LaunchFacts:
     scan_per_block_f32: int  # inputs per non-finite scan block, by input dtype
     scan_per_block_f16: int
     scan_per_block_bf16: int
+    quant_buckets: int  # entries of the NF4 / FP4 encoding tables (launch.bucket_tables)
     gemv_threads: int  # the float32 GEMV
     gemv_rows: int
     gemv_tokens: int

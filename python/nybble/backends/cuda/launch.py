@@ -24,6 +24,7 @@ from ...formats import (
     numpy_dtype,
 )
 from . import kernels
+from .arrays import c_contiguous
 from .kernels import GEMV_MAX_TOKENS, SUFFIX, KernelModule
 
 try:
@@ -65,18 +66,30 @@ def check_array(a: Any, what: str, dtypes: tuple[str, ...], size: int | None = N
         raise ValueError(f"{what}: expected a CuPy array, got {type(a).__name__}")
     if dtype_name(a.dtype) not in dtypes:
         raise ValueError(f"{what}: expected dtype {' or '.join(dtypes)}, got {dtype_name(a.dtype)}")
-    if not a.flags.c_contiguous:
+    if not c_contiguous(a):
         raise ValueError(f"{what}: expected a C-contiguous array, got strides {a.strides}")
-    if a.data.ptr % 16:
-        raise ValueError(f"{what}: expected a 16-byte aligned buffer, got address {a.data.ptr:#x}")
-    if a.device.id != cp.cuda.runtime.getDevice():
-        raise ValueError(f"{what}: on device {a.device.id}, not the current device")
+    memory = a.data
+    if memory.ptr % 16:
+        raise ValueError(f"{what}: expected a 16-byte aligned buffer, got address {memory.ptr:#x}")
+    if memory.device_id != cp.cuda.runtime.getDevice():
+        raise ValueError(f"{what}: on device {memory.device_id}, not the current device")
     if size is not None and a.size != size:
         raise ValueError(f"{what}: expected {size} elements, got {a.size}")
 
 
+_log2_blocksizes: dict[int, np.int32] = {}
+
+
 def log2_blocksize(blocksize: int) -> np.int32:
-    return np.int32(formats.check_blocksize(blocksize).bit_length() - 1)
+    """log2 of a checked blocksize (kept per int: checking costs a microsecond per call)."""
+    if type(blocksize) is int:
+        found = _log2_blocksizes.get(blocksize)
+        if found is not None:
+            return found
+    log2 = np.int32(formats.check_blocksize(blocksize).bit_length() - 1)
+    if type(blocksize) is int:
+        _log2_blocksizes[blocksize] = log2
+    return log2
 
 
 def _grid(n: int, per_block: int) -> tuple[int]:
@@ -85,17 +98,22 @@ def _grid(n: int, per_block: int) -> tuple[int]:
 
 # --- tables from the core, one device copy each ----------------------------------------------
 
-_tables: dict[tuple[str, str, int], Any] = {}
+_tables: dict[tuple[str, str, int, int], Any] = {}
 
 
-def bucket_tables(thresholds: np.ndarray, code_of_rank: np.ndarray) -> tuple[Any, Any]:
-    """The kernels' encoding tables for NF4 and FP4 magnitudes: bucket b of [-1, 1] is
-    [b/32 - 1, (b+1)/32 - 1); thr[b] is the one threshold inside it (+inf if none) and
-    codes[b] the codes below and above it, so code(v) = codes[b][v > thr[b]]."""
-    edges = (np.arange(-32, 33, dtype=np.float32) / np.float32(32)).astype(np.float32)
-    thr = np.full(edges.size, np.inf, np.float32)
-    codes = np.zeros((edges.size, 2), np.uint8)
-    for b, lo in enumerate(edges):
+def bucket_tables(
+    thresholds: np.ndarray, code_of_rank: np.ndarray, buckets: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' encoding tables for NF4 and FP4 magnitudes, of `buckets` entries (the
+    kernels' BUCKETS): bucket b is [(b - 33)/32, (b - 32)/32), b = floor(v * 32) + 33; thr[b] is
+    the one threshold inside it (+inf if none) and codes[b] the codes below and above it, so
+    code(v) = codes[b][v > thr[b]]. Buckets 0..65 cover [-33/32, 33/32), where every v of a
+    quantize falls; the rest repeat bucket 65."""
+    edges = ((np.arange(66, dtype=np.float32) - np.float32(33)) / np.float32(32)).astype(np.float32)
+    thr = np.full(buckets, np.inf, np.float32)
+    codes = np.zeros((buckets, 2), np.uint8)
+    for b in range(buckets):
+        lo = edges[min(b, edges.size - 1)]
         inside = thresholds[(thresholds >= lo) & (thresholds < lo + np.float32(1 / 32))]
         if inside.size > 1:
             raise AssertionError("two thresholds in one bucket: the kernels need a finer one")
@@ -105,13 +123,13 @@ def bucket_tables(thresholds: np.ndarray, code_of_rank: np.ndarray) -> tuple[Any
     return thr, codes.ravel()
 
 
-def _host_table(kind: str, codebook: KernelCodebook) -> np.ndarray:
+def _host_table(kind: str, codebook: KernelCodebook, buckets: int) -> np.ndarray:
     if kind == "values":
         return formats.values(codebook)
-    if codebook == "nf4":
-        thr, codes = bucket_tables(formats.thresholds("nf4"), np.arange(16, dtype=np.uint8))
-    elif codebook == "fp4":
-        thr, codes = bucket_tables(formats.thresholds("fp4"), formats.fp4_magnitude_codes())
+    if codebook in ("nf4", "fp4"):  # FP4: its magnitudes, the sign apart
+        nf4 = codebook == "nf4"
+        ranks = np.arange(16, dtype=np.uint8) if nf4 else formats.fp4_magnitude_codes()
+        thr, codes = bucket_tables(formats.thresholds(codebook), ranks, buckets)
     elif codebook == "dynamic8":  # binary search over the midpoints, padded with +inf to 256
         thr = np.append(formats.thresholds("dynamic8"), np.float32(np.inf)).astype(np.float32)
         codes = np.zeros(1, np.uint8)
@@ -120,13 +138,14 @@ def _host_table(kind: str, codebook: KernelCodebook) -> np.ndarray:
     return thr if kind == "thresholds" else codes
 
 
-def table(kind: str, codebook: KernelCodebook) -> Any:
+def table(kind: str, codebook: KernelCodebook, buckets: int = 0) -> Any:
     """A format's table on the current device: `values` (the codebook), or the encoding
-    tables `thresholds` and `codes` the quantize kernels read."""
-    key = (kind, codebook, int(cp.cuda.runtime.getDevice()))
+    tables `thresholds` and `codes` the quantize kernels read (NF4 and FP4: `buckets` of them,
+    the kernels' BUCKETS)."""
+    key = (kind, codebook, buckets, int(cp.cuda.runtime.getDevice()))
     found = _tables.get(key)
     if found is None:
-        found = _tables[key] = cp.asarray(_host_table(kind, codebook))
+        found = _tables[key] = cp.asarray(_host_table(kind, codebook, buckets))
     return found
 
 
@@ -242,7 +261,9 @@ class QuantizeLaunch:
         module = kernels.module(device=device)
         self.per_block = module.facts.quant_per_block(name)
         with cp.cuda.Device(device):
-            thresholds, table_codes = table("thresholds", codebook), table("codes", codebook)
+            buckets = module.facts.quant_buckets
+            thresholds = table("thresholds", codebook, buckets)
+            table_codes = table("codes", codebook, buckets)
         self._launch = kernels.PreparedLaunch(
             module.function(f"quantize_{codebook}_{SUFFIX[name]}"),
             1,
@@ -435,7 +456,7 @@ def _tokens_ok(a: Any, dtypes: tuple[str, ...], device: int) -> bool:
     return (
         type(a) is cp.ndarray
         and dtype_name(a.dtype) in dtypes
-        and a.flags.c_contiguous
+        and c_contiguous(a)
         and a.data.ptr % 16 == 0
         and a.data.device_id == device
     )
@@ -700,7 +721,7 @@ class DequantizeWeight:
             type(out) is not cp.ndarray
             or out.dtype != np_dtype
             or out.size != self.total
-            or not out.flags.c_contiguous
+            or not c_contiguous(out)
             or out.data.ptr % 16
             or out.data.device_id != self.device
         ):
