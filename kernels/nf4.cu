@@ -308,9 +308,10 @@ enum { NF4 = 0, FP4 = 1, INT8 = 2, DYNAMIC8 = 3 };
 // are that close, so bucket b = floor(v * 32) holds at most one, thr[b] (+inf if none), and the
 // code is codes[b][v > thr[b]]. A tie (v == thr[b]) takes the lower code. The bucket comes from
 // one fused multiply-add rounded down: v * 32 is exact (a power-of-two scaling) and
-// 1.5 * 2^23 + 33 has a unit last place, so the sum's low bits are floor(v * 32) + 33, which is
-// 0..65 for |v| <= 1 + 2^-24 (v * (1 / absmax) may pass 1 by a rounding). The table has 128
-// buckets, so that the mask keeps any index in it (a NaN's included: its code is never used).
+// 1.5 * 2^23 + 33 has a unit last place, so the sum's low bits are floor(v * 32) + 33: 0..65
+// for every v in [-33/32, 33/32), which holds a quantize's v = x * (1 / absmax) (it passes +-1
+// by a rounding at most). The table has 128 buckets, so that the mask keeps any index in it (a
+// NaN's included: its code is never used).
 #define BUCKETS 128
 __device__ __forceinline__ u32 bucket_code(float v, const float* thr, const u8* codes) {
     const u32 b = __float_as_uint(__fmaf_rd(v, 32.0f, 12582945.0f)) & (BUCKETS - 1);

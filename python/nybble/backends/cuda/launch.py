@@ -81,7 +81,7 @@ _log2_blocksizes: dict[int, np.int32] = {}
 
 
 def log2_blocksize(blocksize: int) -> np.int32:
-    """log2 of a checked blocksize (kept per int: checking costs a microsecond per call)."""
+    """log2 of a checked blocksize (kept per int: checking cost about a microsecond a call)."""
     if type(blocksize) is int:
         found = _log2_blocksizes.get(blocksize)
         if found is not None:
