@@ -1038,9 +1038,19 @@ __device__ __forceinline__ void gemv_tc(const u16* __restrict__ x, const u8* __r
 // The minimum of one block per multiprocessor lets ptxas take the registers it wants (up to
 // 106, so that 2 blocks still fit): left to itself it held this kernel to 48 and spilled, 8-12%
 // slower on an H100. Shared memory allows 2 blocks per multiprocessor either way.
+// On sm_90 the kernels launch as clusters of one block (nothing is shared between blocks):
+// the GPU then places the blocks otherwise, and when the tiles run out part way through the
+// last round (14336 x 4096: 896 tiles on 264 blocks) the blocks that take the extra tile run
+// faster: on an H100, in one process, 18.9 -> 17.5 us (20.5 us from 22.1 with nested scales);
+// 4096^2, 8192^2, 4096 x 14336, 28672 x 4096 and 32064 x 4096 within +-1%.
 // The plain and the nested kernels take the same arguments (SCALE_PARAMS; `nested` unread).
+#if __CUDA_ARCH__ >= 900
+#define TC_PLACEMENT __cluster_dims__(1, 1, 1)
+#else
+#define TC_PLACEMENT
+#endif
 #define GEMV_TC(NAME, D, G, NESTED)                                                            \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 1)                             \
+    extern "C" __global__ void TC_PLACEMENT __launch_bounds__(TC_WARPS * 32, 1)                \
         NAME(const u16* __restrict__ x, const u8* __restrict__ codes, SCALE_PARAMS,            \
              const float* __restrict__ table, int rows, int cols, int m, int log2_bs,          \
              u16* __restrict__ y) {                                                            \

@@ -167,6 +167,20 @@ def test_the_host_owns_the_gemv_token_count() -> None:
     assert tuned.tc_shared_g64 > default.tc_shared_g64  # one more stage in shared memory
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_tensor_core_gemv_launches_as_clusters_of_one_block_on_sm90(arch: str) -> None:
+    """A placement choice (kernels/nf4.cu, GEMV_TC): on an H100 the 14336 x 4096 GEMV ran 7%
+    faster launched as clusters of one block. sm_80 has no clusters."""
+    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
+    entries = re.split(r"\.entry ", ptx)[1:]
+    names = {e.split("(", 1)[0]: e.split("{", 1)[0] for e in entries}
+    gemv = [n for n in names if n.startswith("gemv_tc_")]
+    assert len(gemv) == 8
+    for name, head in names.items():
+        clustered = ".reqnctapercluster 1, 1, 1" in head
+        assert clustered == (arch == "sm_90" and name in gemv), name
+
+
 def test_a_compile_error_fails() -> None:
     with pytest.raises(AssertionError, match="undefined_identifier"):
         compile_ptx(
