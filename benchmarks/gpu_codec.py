@@ -188,6 +188,15 @@ def clone_q(q: nybble.NF4Tensor) -> nybble.NF4Tensor:
     return nybble.NF4Tensor(clone(q.codes), None, q.shape, q.blocksize, q.codebook, nested)
 
 
+def plain_gemv(q: nybble.NF4Tensor) -> launch.GemvWeight:
+    """The fused GEMV of q with its launches made plainly (not programmatically): the library's
+    own launcher, for a same-process comparison."""
+    absmax = None if q.nested is not None else q.absmax
+    return launch.GemvWeight(
+        q.codes, absmax, q.nested, q.codebook, q.shape, q.blocksize, programmatic=False
+    )
+
+
 def codes_bytes(n: int, double_quant: bool = False) -> int:
     """Bytes of an NF4 weight of n elements: codes and scales (double-quantized: one byte per
     block, a float32 per 256 blocks)."""
@@ -451,6 +460,16 @@ class Bench:
         )
         row = gpu_in_a_row(lambda i: cuda.nf4_matmul(x, qs[i % k], out=y), self.repeat)
         self.record("in a row: nybble GEMV 1 token bf16", shape, row, nbytes=nbytes)
+        # The same launches made plainly: what the programmatic ones (sm_90) gain back to back.
+        plain = [plain_gemv(qi) for qi in qs]
+        row_plain = gpu_in_a_row(lambda i: plain[i % k](x, y), self.repeat)
+        self.record(
+            "in a row: nybble GEMV 1 token bf16, plain launches",
+            shape,
+            row_plain,
+            nbytes=nbytes,
+            programmatic_speedup=round(row_plain / row, 2),
+        )
 
     # --- a decode step from a captured graph ------------------------------------------------
 
@@ -488,6 +507,14 @@ class Bench:
 
         graph = cuda.capture(step, *xs.values(), *outs)
         replay = per_call(lambda i: graph.replay(), self.repeat)
+        plain = [plain_gemv(q) for q in qs]
+
+        def plain_step() -> None:
+            for w, out in zip(plain, outs, strict=True):
+                w(xs[w.cols], out)
+
+        plain_graph = cuda.capture(plain_step, *xs.values(), *outs)
+        replay_plain = per_call(lambda i: plain_graph.replay(), self.repeat)
         eager = per_call(lambda i: step(), self.repeat)
         kernels = 0.0  # the sum of each projection's kernel time, rotated over the layers
         for j, (rows, _) in enumerate(shapes):
@@ -505,6 +532,12 @@ class Bench:
             stack,
             replay,
             ratio_to_kernels=round(replay / kernels, 3),
+        )
+        self.record(
+            "decode graph: nybble per token, replayed graph of plain launches",
+            stack,
+            replay_plain,
+            programmatic_speedup=round(replay_plain / replay, 3),
         )
         self.record("decode graph: nybble per token, eager calls", stack, eager)
         txs = {c: torch_view(x, torch) for c, x in xs.items()}

@@ -189,3 +189,44 @@ def test_work_that_waits_inside_a_capture_raises_its_own_error() -> None:
     graph = cuda.capture(lambda: cp.multiply(x, 2, out=y), x, y)
     graph.replay()
     np.testing.assert_array_equal(cp.asnumpy(y), cp.asnumpy(x) * 2)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_programmatic_gemvs_wait_for_the_gemv_before_them(double_quant: bool) -> None:
+    """On sm_90 the tensor-core GEMV launches programmatically: it starts under the end of the
+    kernel before it and waits for it only before reading its tokens. A chain whose every GEMV
+    reads the previous one's output equals the same chain launched plainly, bit for bit, eagerly
+    and replayed from a graph; the first launch of each weight is a plain one."""
+    from nybble.backends.cuda import launch
+
+    n, steps = 2048, 24
+    q = nybble.quantize(random((n, n), "float32", 1, 0.02), double_quant=double_quant)
+    absmax = None if q.nested is not None else q.absmax
+    weights = {
+        mode: launch.GemvWeight(
+            q.codes, absmax, q.nested, q.codebook, q.shape, q.blocksize, programmatic=mode
+        )
+        for mode in (False, True)
+    }
+    assert not weights[False].programmatic
+    x0 = random((1, n), "bfloat16", 2)
+    chain = {mode: [cp.empty((1, n), x0.dtype) for _ in range(steps)] for mode in weights}
+
+    def run(mode: bool) -> None:
+        x = x0
+        for y in chain[mode]:
+            weights[mode](x, y)
+            x = y
+
+    for mode in weights:
+        run(mode)
+    (made,) = weights[True]._launches.values()
+    assert made._primed
+    for a, b in zip(chain[False], chain[True], strict=True):
+        assert (bits(a) == bits(b)).all()
+    graph = cuda.capture(lambda: run(True), x0, *chain[True])
+    for y in chain[True]:
+        y.fill(0)
+    graph.replay()
+    for a, b in zip(chain[False], chain[True], strict=True):
+        assert (bits(a) == bits(b)).all()

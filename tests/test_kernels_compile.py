@@ -181,6 +181,18 @@ def test_the_tensor_core_gemv_launches_as_clusters_of_one_block_on_sm90(arch: st
         assert clustered == (arch == "sm_90" and name in gemv), name
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_only_the_tensor_core_gemv_waits_for_the_kernel_before_it(arch: str) -> None:
+    """Launched programmatically (sm_90), a kernel must wait for the one before it
+    (griddepcontrol.wait) before it reads the tokens: the tensor-core GEMV does, and no other
+    kernel is launched that way. sm_80 has no programmatic launches."""
+    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
+    bodies = {e.split("(", 1)[0]: e for e in re.split(r"\.entry ", ptx)[1:]}
+    for name, body in bodies.items():
+        waits = "griddepcontrol.wait" in body
+        assert waits == (arch == "sm_90" and name.startswith("gemv_tc_")), name
+
+
 def test_a_compile_error_fails() -> None:
     with pytest.raises(AssertionError, match="undefined_identifier"):
         compile_ptx(

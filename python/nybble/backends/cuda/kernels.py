@@ -12,6 +12,7 @@ device's machine code (CUBIN), not PTX: a newer NVRTC writes PTX that an older d
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -137,6 +138,11 @@ class KernelModule:
             self._module.load(compile_cubin(dev.compute_capability, defines, source_text))
             self.facts = self._read_facts()
             self.multiprocessors = int(dev.attributes["MultiProcessorCount"])
+            #: Whether kernels may launch programmatically (sm_90 and a driver with
+            #: cuLaunchKernelEx; see PreparedLaunch).
+            self.programmatic = (
+                int(dev.compute_capability) >= 90 and _driver_launch_ex() is not None
+            )
         self._functions: dict[tuple[str, int], Any] = {}
 
     def _read_facts(self) -> LaunchFacts:
@@ -183,6 +189,42 @@ _SCALARS: dict[type, type[ctypes._SimpleCData[Any]]] = {
 }
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding, and a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_byte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (CUDA 12)."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PROGRAMMATIC = 6
+
+
+@functools.cache
+def _driver_launch_ex() -> Any:
+    """cuLaunchKernelEx from the driver library (CuPy does not wrap it); None where the driver
+    has none (before CUDA 12)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class PreparedLaunch:
     """A kernel launch whose argument buffer is built once: a call changes only the arguments
     that vary and calls cuLaunchKernel directly (cupy.cuda.driver.launchKernel), without
@@ -197,6 +239,7 @@ class PreparedLaunch:
         block: int,
         args: Sequence[Any],
         shared_mem: int = 0,
+        programmatic: bool = False,
     ) -> None:
         from cupy.cuda import driver, get_current_stream
 
@@ -220,6 +263,23 @@ class PreparedLaunch:
                 self._values.append(_SCALARS[type(a)](a))
         self._params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in self._values))
         self._params_address = ctypes.addressof(self._params)
+        # A programmatic launch (sm_90) may start while the stream's previous kernel still runs,
+        # once that kernel allows it (griddepcontrol.launch_dependents); the kernel must wait
+        # (griddepcontrol.wait) before it reads anything an earlier kernel may have written but
+        # its constant inputs. The first call launches plainly, so that it runs after whatever
+        # wrote those inputs (a weight quantized just before its first GEMV, say); later calls
+        # rely on nothing writing them again.
+        self._config: _LaunchConfig | None = None
+        self._primed = False
+        if programmatic:
+            attribute = _LaunchAttribute(id=_PROGRAMMATIC)
+            attribute.value[0] = 1  # programmaticStreamSerializationAllowed
+            self._attribute = attribute
+            self._config = _LaunchConfig(
+                (grid, 1, 1), (block, 1, 1), shared_mem, None, ctypes.pointer(attribute), 1
+            )
+            self._config_address = ctypes.addressof(self._config)
+            self._launch_ex = _driver_launch_ex()
 
     def __call__(self, *changes: tuple[int, int | float], grid: int | None = None) -> None:
         """Launches on CuPy's current stream (the capturing one inside a graph capture), after
@@ -229,6 +289,17 @@ class PreparedLaunch:
         with self._lock:
             for index, value in changes:
                 values[index].value = value
+            config = self._config
+            if config is not None and self._primed:
+                config.stream = self._current_stream().ptr
+                config.grid[0] = self.grid if grid is None else grid
+                status = self._launch_ex(
+                    self._config_address, self._function, self._params_address, None
+                )
+                if status:
+                    raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {status}")
+                return
+            self._primed = True
             self._launch_kernel(
                 self._function,
                 self.grid if grid is None else grid,

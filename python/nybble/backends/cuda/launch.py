@@ -470,7 +470,8 @@ class GemvWeight:
     an H100, what CuPy's own launch path alone costs.
 
     `module` selects the compiled kernels (default: the library's; benchmarks/gemv_tune.py
-    passes tuning builds compiled with other -D parameters)."""
+    passes tuning builds compiled with other -D parameters); `programmatic=False` launches
+    plainly where the GPU could overlap the launches (benchmarks compare the two)."""
 
     #: Where the varying arguments sit in the kernels' parameter lists.
     _X, _TC_Y, _F32_Y = 0, 13, 12
@@ -484,6 +485,7 @@ class GemvWeight:
         shape: tuple[int, int],
         blocksize: int,
         module: KernelModule | None = None,
+        programmatic: bool | None = None,
     ) -> None:
         if not gemv_supported(codebook, shape):
             raise ValueError(
@@ -497,6 +499,10 @@ class GemvWeight:
         self.codes = codes
         self.device = int(codes.data.device_id)
         self.module = module or kernels.module(device=self.device)
+        #: Whether the tensor-core launches are programmatic (default: where the GPU allows;
+        #: kernels.PreparedLaunch): a GEMV then starts under the end of the kernel before it.
+        #: The weight's arrays must not be written once it is in use (nybble never does).
+        self.programmatic = self.module.programmatic if programmatic is None else programmatic
         facts = self.module.facts
         self.values = table("values", "nf4" if codebook == "nf4" else "fp4")
         # Groups of 64 elements need rows and scales that start on 64-element boundaries.
@@ -619,7 +625,12 @@ class GemvWeight:
                 placeholder,
             )
             made = kernels.PreparedLaunch(
-                kernel, self.tc_blocks(kernel), facts.tc_threads, args, self.smem
+                kernel,
+                self.tc_blocks(kernel),
+                facts.tc_threads,
+                args,
+                self.smem,
+                programmatic=self.programmatic,
             )
             self._fast[(key[0], (m, self.cols))] = (made, (m, self.rows))
         self._launches[key] = made
