@@ -499,10 +499,11 @@ class GemvWeight:
         self.codes = codes
         self.device = int(codes.data.device_id)
         self.module = module or kernels.module(device=self.device)
-        #: Whether the tensor-core launches are programmatic (default: where the GPU allows;
-        #: kernels.PreparedLaunch): a GEMV then starts under the end of the kernel before it.
-        #: The weight's arrays must not be written once it is in use (nybble never does).
-        self.programmatic = self.module.programmatic if programmatic is None else programmatic
+        #: Whether the tensor-core launches are programmatic (where the GPU allows, unless
+        #: `programmatic` is False; kernels.PreparedLaunch): a GEMV then starts under the end of
+        #: the kernel before it. The weight's arrays must not be written once it is in use
+        #: (nybble never does).
+        self.programmatic = self.module.programmatic and programmatic is not False
         facts = self.module.facts
         self.values = table("values", "nf4" if codebook == "nf4" else "fp4")
         # Groups of 64 elements need rows and scales that start on 64-element boundaries.
