@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -77,6 +78,18 @@ def test_the_extension_ships_the_kernels() -> None:
     assert all(name.endswith((".cu", ".cuh")) for name in SOURCES)
 
 
+@functools.cache
+def module_ptx(arch: str) -> str:
+    """The library's kernel module compiled for `arch` with the host's definitions, once per
+    run: several tests read it."""
+    return compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
+
+
+def module_entries(arch: str) -> dict[str, str]:
+    """The module's kernels for `arch` by name, each its PTX from its `.entry` to the next."""
+    return {e.split("(", 1)[0]: e for e in re.split(r"\.entry ", module_ptx(arch))[1:]}
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.endswith(".cu")))
 def test_kernel_source_compiles(name: str, arch: str) -> None:
@@ -90,9 +103,7 @@ def test_kernel_source_compiles(name: str, arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_launched_kernel_is_defined(arch: str) -> None:
-    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
-    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
-    assert set(launch.kernel_names()) <= entries
+    assert set(launch.kernel_names()) <= set(module_entries(arch))
 
 
 def launch_facts(ptx: str) -> kernels.LaunchFacts:
@@ -113,7 +124,7 @@ def launch_facts(ptx: str) -> kernels.LaunchFacts:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_the_module_defines_its_launch_facts(arch: str) -> None:
     """The host reads the launch geometry back from the module: every field, consistent."""
-    facts = launch_facts(compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch))
+    facts = launch_facts(module_ptx(arch))
     assert facts.threads % 32 == 0 and facts.tc_threads % 32 == 0
     for dtype in ("float32", "float16", "bfloat16"):
         assert facts.dequant_per_block(dtype) % facts.threads == 0
@@ -128,7 +139,7 @@ def test_the_encoding_tables_give_the_reference_codes(codebook: str) -> None:
     floor(v * 32) + 33 masked to the table, then codes[b][v > thr[b]]) over the host's tables
     of the module's size gives the reference codes: at every threshold and bucket edge, the
     floats beside them, past +-1 by the roundings a quantize allows, and at random."""
-    facts = launch_facts(compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, "sm_90"))
+    facts = launch_facts(module_ptx("sm_90"))
     buckets = facts.quant_buckets
     thr = launch._host_table("thresholds", codebook, buckets)
     codes = launch._host_table("codes", codebook, buckets)
@@ -160,7 +171,7 @@ def test_the_host_owns_the_gemv_token_count() -> None:
     source = SOURCES[kernels.KERNEL_FILE]
     with pytest.raises(AssertionError, match="TC_TOKENS comes from the launcher"):
         compile_ptx(source, kernels.KERNEL_FILE, "sm_90", host=False)
-    default = launch_facts(compile_ptx(source, kernels.KERNEL_FILE, "sm_90"))
+    default = launch_facts(module_ptx("sm_90"))
     ptx = compile_ptx(source, kernels.KERNEL_FILE, "sm_90", ("TC_STAGES=4", "TC_WARPS=4"))
     tuned = launch_facts(ptx)
     assert ".entry gemv_tc_bf16_g64" in ptx and tuned.tc_threads == 128
@@ -171,12 +182,10 @@ def test_the_host_owns_the_gemv_token_count() -> None:
 def test_the_tensor_core_gemv_launches_as_clusters_of_one_block_on_sm90(arch: str) -> None:
     """A placement choice (kernels/nf4.cu, GEMV_TC): on an H100 the 14336 x 4096 GEMV ran 7%
     faster launched as clusters of one block. sm_80 has no clusters."""
-    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
-    entries = re.split(r"\.entry ", ptx)[1:]
-    names = {e.split("(", 1)[0]: e.split("{", 1)[0] for e in entries}
-    gemv = [n for n in names if n.startswith("gemv_tc_")]
+    heads = {name: body.split("{", 1)[0] for name, body in module_entries(arch).items()}
+    gemv = [n for n in heads if n.startswith("gemv_tc_")]
     assert len(gemv) == 8
-    for name, head in names.items():
+    for name, head in heads.items():
         clustered = ".reqnctapercluster 1, 1, 1" in head
         assert clustered == (arch == "sm_90" and name in gemv), name
 
@@ -186,9 +195,7 @@ def test_only_the_tensor_core_gemv_waits_for_the_kernel_before_it(arch: str) -> 
     """Launched programmatically (sm_90), a kernel must wait for the one before it
     (griddepcontrol.wait) before it reads the tokens: the tensor-core GEMV does, and no other
     kernel is launched that way. sm_80 has no programmatic launches."""
-    ptx = compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
-    bodies = {e.split("(", 1)[0]: e for e in re.split(r"\.entry ", ptx)[1:]}
-    for name, body in bodies.items():
+    for name, body in module_entries(arch).items():
         waits = "griddepcontrol.wait" in body
         assert waits == (arch == "sm_90" and name.startswith("gemv_tc_")), name
 
