@@ -20,21 +20,21 @@ from typing import Any
 
 import cupy as cp
 from _timing import RESULTS, emit
-from gpu_codec import SHAPES, Bench, clone_q, codes_bytes, copies, gpu_median, host_bf16
+from gpu_codec import (
+    SHAPES,
+    Bench,
+    clone_q,
+    codes_bytes,
+    copies,
+    gemv_weight,
+    gpu_median,
+    host_bf16,
+)
 
 import nybble
-from nybble.backends.cuda import kernels, launch
+from nybble.backends.cuda import kernels
 
 DEFAULT_CONFIGS = "8:3:16,8:4:16,4:3:16,4:4:16,4:3:32,8:5:16"
-
-
-def prepared(q: nybble.NF4Tensor, module: kernels.KernelModule) -> launch.GemvWeight:
-    """The library's GEMV launcher for q, on the kernels of `module`."""
-    absmax = None if q.nested is not None else q.absmax
-    rows, cols = q.shape
-    return launch.GemvWeight(
-        q.codes, absmax, q.nested, q.codebook, (rows, cols), q.blocksize, module
-    )
 
 
 def main() -> None:
@@ -65,7 +65,7 @@ def main() -> None:
             want = x.astype(cp.float32) @ dense.T
             nbytes = codes_bytes(rows * cols, args.double_quant) + 2 * m * (cols + rows)
             for name, module in variants:
-                weights = [prepared(qi, module) for qi in qs]
+                weights = [gemv_weight(qi, module) for qi in qs]
                 y.fill(0)
                 weights[0](x, y)
                 err = float(cp.abs(y.astype(cp.float32) - want).max() / cp.abs(want).max())

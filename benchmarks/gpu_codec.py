@@ -188,12 +188,17 @@ def clone_q(q: nybble.NF4Tensor) -> nybble.NF4Tensor:
     return nybble.NF4Tensor(clone(q.codes), None, q.shape, q.blocksize, q.codebook, nested)
 
 
-def plain_gemv(q: nybble.NF4Tensor) -> launch.GemvWeight:
-    """The fused GEMV of q with its launches made plainly (not programmatically): the library's
-    own launcher, for a same-process comparison."""
+def gemv_weight(
+    q: nybble.NF4Tensor,
+    module: kernels.KernelModule | None = None,
+    programmatic: bool | None = None,
+) -> launch.GemvWeight:
+    """The library's own GEMV launcher for q, on the kernels of `module` (default: the
+    library's build) and launched programmatically or not (default: where the GPU allows), for
+    same-process comparisons."""
     absmax = None if q.nested is not None else q.absmax
     return launch.GemvWeight(
-        q.codes, absmax, q.nested, q.codebook, q.shape, q.blocksize, programmatic=False
+        q.codes, absmax, q.nested, q.codebook, q.shape, q.blocksize, module, programmatic
     )
 
 
@@ -461,7 +466,7 @@ class Bench:
         row = gpu_in_a_row(lambda i: cuda.nf4_matmul(x, qs[i % k], out=y), self.repeat)
         self.record("in a row: nybble GEMV 1 token bf16", shape, row, nbytes=nbytes)
         # The same launches made plainly: what the programmatic ones (sm_90) gain back to back.
-        plain = [plain_gemv(qi) for qi in qs]
+        plain = [gemv_weight(qi, programmatic=False) for qi in qs]
         row_plain = gpu_in_a_row(lambda i: plain[i % k](x, y), self.repeat)
         self.record(
             "in a row: nybble GEMV 1 token bf16, plain launches",
@@ -507,7 +512,7 @@ class Bench:
 
         graph = cuda.capture(step, *xs.values(), *outs)
         replay = per_call(lambda i: graph.replay(), self.repeat)
-        plain = [plain_gemv(q) for q in qs]
+        plain = [gemv_weight(q, programmatic=False) for q in qs]
 
         def plain_step() -> None:
             for w, out in zip(plain, outs, strict=True):
