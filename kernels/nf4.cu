@@ -513,6 +513,24 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     if (i < n) y[i] = __double2float_rn(x[i]);
 }
 
+// ---- float32 -> a 16-bit dtype, two arrays in one launch ------------------------------------
+
+// A LoRA layer's A and B in the activations' dtype for one forward and its backward: one
+// launch for both (CuPy's astype costs tens of microseconds of host time a call). Rounded to
+// nearest even; subnormals kept, as numpy / ml_dtypes do.
+#define NARROW_PAIR(NAME, D)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        NAME(const float* __restrict__ a, i64 na, const float* __restrict__ b, i64 nb,         \
+             Elem<D>::T* __restrict__ out_a, Elem<D>::T* __restrict__ out_b) {                 \
+        const i64 i = (i64)blockIdx.x * THREADS + threadIdx.x;                                 \
+        if (i < na)                                                                            \
+            out_a[i] = Elem<D>::store(a[i]);                                                   \
+        else if (i - na < nb)                                                                  \
+            out_b[i - na] = Elem<D>::store(b[i - na]);                                         \
+    }
+NARROW_PAIR(narrow_pair_f16, 1)
+NARROW_PAIR(narrow_pair_bf16, 2)
+
 // ---- fused 4-bit GEMV: y[t, r] = sum_k x[t, k] * W[r, k] for M <= 4 tokens -------------------
 
 // The shared-memory address of p (its offset in the block's shared window).

@@ -415,6 +415,50 @@ def test_float64_input_keeps_float32_subnormals() -> None:
     assert_same_tensor(nybble.quantize(cp.asarray(x)), nybble.quantize(x))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_pair_rounds_as_numpy_does(dtype: str) -> None:
+    """A LoRA layer's A and B in a 16-bit dtype, in one launch: rounded to nearest even as
+    numpy / ml_dtypes round them, overflow to inf, subnormals kept (CuPy's astype flushes
+    them), NaN kept NaN; odd sizes and empty arrays; arrays it does not take (strided, not
+    float32) give None, and the backend's astype_pair then casts them itself."""
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(4)
+    a = (rng.standard_normal((37, 129)) * 3).astype(np.float32)
+    b = rng.standard_normal((129, 5)).astype(np.float32)
+    tiny = np.finfo(np.float32).smallest_subnormal
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3 * tiny, 65504 * 1.01, 1e-8, 2**-24 * 1.5]
+    a.flat[: len(special)] = special
+    b.flat[-3:] = [2**-25, -1e-30, 1 + 2**-9]
+    pair = launch.narrow_pair(cp.asarray(a), cp.asarray(b), dtype)
+    assert pair is not None
+    for got, want in zip(pair, (a, b), strict=True):
+        with np.errstate(over="ignore"):  # 65504 * 1.01 overflows float16: inf, as wanted
+            expected = want.astype(np_dtype)
+        host = cp.asnumpy(got)
+        assert host.shape == want.shape and host.dtype == np_dtype
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(host.astype(np.float32)), nan)
+        np.testing.assert_array_equal(host.view(np.uint16)[~nan], expected.view(np.uint16)[~nan])
+    empty = cp.zeros((0, 4), cp.float32)
+    pair = launch.narrow_pair(empty, cp.asarray(b), dtype)
+    assert pair is not None and pair[0].shape == (0, 4)
+    got_b = pair[1]
+    np.testing.assert_array_equal(
+        cp.asnumpy(got_b).view(np.uint16), b.astype(np_dtype).view(np.uint16)
+    )
+    strided = cp.asarray(a)[:, ::2]
+    assert launch.narrow_pair(strided, cp.asarray(b), dtype) is None
+    assert launch.narrow_pair(cp.asarray(a, cp.float64), cp.asarray(b), dtype) is None
+    assert launch.narrow_pair(cp.asarray(a), cp.asarray(b), "float32") is None
+    from nybble.backends.cuda import backend
+
+    pair = backend().astype_pair(strided, cp.asarray(b), np_dtype)
+    np.testing.assert_array_equal(
+        cp.asnumpy(pair[0]).astype(np.float32),
+        cp.asnumpy(strided.astype(np_dtype)).astype(np.float32),
+    )
+
+
 def test_double_quant_of_subnormal_scales() -> None:
     """Scales and their differences from the mean in the subnormal range: the same nested
     codes, decoded scales and values as the CPU (CuPy's arithmetic would flush them to 0)."""

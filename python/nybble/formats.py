@@ -124,22 +124,26 @@ def check_shape(shape: object, what: str = "shape") -> tuple[int, ...]:
 
 def dtype_name(dtype: object) -> str:
     """'float32' for "float32", np.float32, np.dtype('float32'), ml_dtypes.bfloat16, ...
-    Remembered per dtype object: numpy computes `dtype.name` in Python, slowly enough to
-    show in the per-call cost of a GPU launch."""
+    Remembered per dtype object (np.dtype or scalar type): numpy computes `dtype.name` in
+    Python, slowly enough to show in the per-call cost of a GPU launch."""
     if isinstance(dtype, str):
         return dtype
-    if isinstance(dtype, np.dtype):
+    try:
         name = _DTYPE_NAMES.get(dtype)
-        if name is None:
-            name = _DTYPE_NAMES[dtype] = str(dtype.name)
+    except TypeError:  # unhashable
+        name = None
+    if name is not None:
         return name
     try:
-        return str(np.dtype(dtype).name)  # type: ignore[call-overload]
+        name = str(np.dtype(dtype).name)  # type: ignore[call-overload]
     except TypeError:
         return str(dtype)
+    if isinstance(dtype, (np.dtype, type)):
+        _DTYPE_NAMES[dtype] = name
+    return name
 
 
-_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def output_dtype(dtype: object) -> OutputDtype:

@@ -112,6 +112,11 @@ class Backend(Protocol):
         `out`."""
         ...
 
+    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
+        """a and b in `dtype` (each itself when it already is): a LoRA layer's A and B in the
+        activations' dtype, made once per forward for it and its backward."""
+        ...
+
     def batched_matmul(self, a: Any, b: Any) -> Any:
         """a @ b for 3-D a [n, m, k], b [n, k, p] of one dtype (any strides): a new [n, m, p]
         array of that dtype (16-bit ones summed in float32)."""

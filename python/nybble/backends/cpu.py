@@ -189,6 +189,9 @@ class CpuBackend:
         _core.matmul(a, b, out, alpha, accumulate)
         return out
 
+    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+        return a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+
     def quantized_matmul(
         self,
         x: Any,

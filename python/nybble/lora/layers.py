@@ -351,8 +351,13 @@ class _LoraLayer:
         out: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
         compute = np.float32 if backend.device == "cpu" else formats.numpy_dtype(out)
         lead = tuple(a.shape[:-1])
-        with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, found next
-            a = backend.xp.ascontiguousarray(a.reshape(-1, width), dtype=compute)
+        if a.ndim != 2:
+            a = a.reshape(-1, width)
+        if name == "float64":
+            with np.errstate(over="ignore"):  # float64 beyond float32 becomes inf, found next
+                a = backend.xp.ascontiguousarray(a, dtype=compute)
+        else:
+            a = backend.xp.ascontiguousarray(a, dtype=compute)
         if scan or backend.device == "cpu":
             self._finite.record(a, what)
         return a, out, lead
@@ -371,7 +376,8 @@ class _LoraLayer:
         self, y: Any, dtype: OutputDtype, shape: tuple[int, ...], out: Any, what: str
     ) -> Any:
         """y of `shape` in `dtype`; written into `out` (checked) when one is given."""
-        y = y.reshape(shape)
+        if y.shape != shape:
+            y = y.reshape(shape)
         if formats.dtype_name(y.dtype) != dtype:
             y = y.astype(formats.numpy_dtype(dtype))
         if out is None:
@@ -415,8 +421,7 @@ class _LoraLayer:
             if casts is not None and casts[0].dtype == x2.dtype:
                 a, b = casts
             else:
-                a = self.lora_a.astype(x2.dtype, copy=False)
-                b = self.lora_b.astype(x2.dtype, copy=False)
+                a, b = backend.astype_pair(self.lora_a, self.lora_b, x2.dtype)
             keep = self._keep_mask(tuple(x2.shape), x2.dtype)
             xd = x2 if keep is None else x2 * keep
             h = backend.matmul(xd, a.T)  # [m, r]
@@ -475,10 +480,10 @@ class _LoraLayer:
             grad_m = (dy * c["dora_out"]).sum(axis=0, dtype=f32) / c["norms"]
             calls.grad_magnitude = grad_m.astype(f32, copy=False)
             dyg = dy * g
-        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
+        # dx first, whose base product is the step's longest: on the GPU it then runs while
+        # the host makes the adapter gradients' calls below.
         gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
         self._record_rows(gh, dy, "grad_y")
-        calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
         dx = backend.matmul(gh, a)  # the LoRA branch's part of dL/dx, [m, in]
         if keep is not None:
             dx *= keep
@@ -490,6 +495,8 @@ class _LoraLayer:
             # DoRA with dropout: y = x Wᵀ + (g-1)·(x_d Wᵀ) + g·s·(x_d Aᵀ Bᵀ).
             dx += self._base.backward(dy * (g - 1)) * keep
             self._base.backward(dy, out=dx, accumulate=True)
+        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
+        calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
         return self._result(dx, gx_dtype, in_shape, out, "out")
 
     def _move(self, to: Backend) -> None:

@@ -112,7 +112,7 @@ class CudaBackend:
         return out
 
     def dequantize_into(self, q: Packed, start: int, out: Any) -> None:
-        """out (flat) = elements [start, start + out.size) of q."""
+        """out (C-contiguous, filled in flat order) = elements [start, start + out.size) of q."""
         self.prepared(q).dequantize(start, out)
 
     def prepared(self, q: Packed) -> Prepared:
@@ -170,6 +170,12 @@ class CudaBackend:
             out[...] = r
         return out
 
+    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
+        if a.dtype == dtype and b.dtype == dtype:
+            return a, b
+        pair = launch.narrow_pair(a, b, dtype_name(dtype))
+        return pair if pair is not None else (a.astype(dtype), b.astype(dtype))
+
     def batched_matmul(self, a: Any, b: Any) -> Any:
         if dtype_name(a.dtype) in blas.DTYPES and a.dtype == b.dtype:
             return blas.gemm_batched(a, b)
@@ -199,12 +205,13 @@ class CudaBackend:
             return y
         y = out if out is not None else cp.empty(shape, x.dtype)
         tiles = row_tiles(w, dtype)
+        whole = len(tiles) == 1  # no views to make (each costs the host a few microseconds)
         for r0, r1 in tiles:
             dense = self.dense_rows(w, r0, r1, dtype)
             if transpose:  # x @ W.T: a column block of y per tile
-                blas.gemm(x, dense.T, y[:, r0:r1], beta=beta)
+                blas.gemm(x, dense.T, y if whole else y[:, r0:r1], beta=beta)
             else:  # x @ W: the tiles' products summed into y, in float32 sums
-                blas.gemm(x[:, r0:r1], dense, y, beta=beta)
+                blas.gemm(x if whole else x[:, r0:r1], dense, y, beta=beta)
                 beta = 1.0
         return y
 
@@ -212,7 +219,7 @@ class CudaBackend:
         """Rows [r0, r1) of a 2-D quantized W, dequantized to `dtype`."""
         cols = w.shape[1]
         out = cp.empty((r1 - r0, cols), numpy_dtype(dtype))
-        self.dequantize_into(w, r0 * cols, out.reshape(-1))
+        self.dequantize_into(w, r0 * cols, out)
         return out
 
     def gemv_fast(self, x: Any, w: Packed, out: Any) -> Any:

@@ -21,6 +21,8 @@ except ImportError:
 _CUDA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 14}
 #: The dtypes `gemm` takes.
 DTYPES = tuple(_CUDA_TYPE)
+#: The same by dtype object: a call looks its arrays' dtypes up without naming them.
+_CUDA_TYPE_OF = {numpy_dtype(name): code for name, code in _CUDA_TYPE.items()}
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: float32 sums, no TF32
 _GEMM_DEFAULT = -1
@@ -102,14 +104,25 @@ def _operand(a: Any) -> tuple[int, int] | None:
     return None
 
 
-def _checked_dtype(a: Any, b: Any, what: str) -> str:
-    name = dtype_name(a.dtype)
-    if name not in _CUDA_TYPE or dtype_name(b.dtype) != name:
+def _checked_type(a: Any, b: Any, what: str) -> int:
+    """The cudaDataType of a and b, which must share one float dtype."""
+    code = _CUDA_TYPE_OF.get(a.dtype)
+    if code is None or b.dtype != a.dtype:
         raise ValueError(
             f"{what}: expected two float32/float16/bfloat16 arrays of one dtype, got "
             f"{a.dtype} and {b.dtype}"
         )
-    return name
+    return code
+
+
+#: alpha and beta as cuBLAS reads them (host float32), for the values the layers pass most.
+_SCALARS = {v: ctypes.c_float(v) for v in (0.0, 1.0)}
+
+
+def _scalar(v: float) -> ctypes.c_float:
+    """v as a float32 for cuBLAS to read (kept alive by the caller until the call returns)."""
+    held = _SCALARS.get(v)
+    return ctypes.c_float(v) if held is None else held
 
 
 def gemm(
@@ -124,19 +137,20 @@ def gemm(
     dtype (row-major or transposed views; anything else is copied first), summed in float32.
     `out` (C-contiguous rows, [m, n]) may have another float dtype than a and b; without it a
     new array of `out_dtype` (default a's dtype) is made and beta is ignored."""
-    name = _checked_dtype(a, b, "gemm")
+    in_type = _checked_type(a, b, "gemm")
     m, k = a.shape
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"gemm: shapes {a.shape} and {b.shape} do not chain")
     if out is None:
-        out = cp.empty((m, n), numpy_dtype(dtype_name(out_dtype or a.dtype)))
+        dtype = a.dtype if out_dtype is None else numpy_dtype(dtype_name(out_dtype))
+        out = cp.empty((m, n), dtype)
         beta = 0.0
-    elif tuple(out.shape) != (m, n) or _operand(out) != (_OP_N, out.strides[0] // out.itemsize):
+    elif out.shape != (m, n) or _operand(out) != (_OP_N, out.strides[0] // out.itemsize):
         raise ValueError(f"gemm: out must be a row-major [{m}, {n}] array, got {out.shape}")
-    out_name = dtype_name(out.dtype)
-    if out_name not in _CUDA_TYPE:
-        raise ValueError(f"gemm: out has dtype {out_name}")
+    out_type = _CUDA_TYPE_OF.get(out.dtype)
+    if out_type is None:
+        raise ValueError(f"gemm: out has dtype {dtype_name(out.dtype)}")
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -151,7 +165,7 @@ def gemm(
     if op_b is None:
         b, op_b = cp.ascontiguousarray(b), (_OP_N, n)
     # Row-major out = a @ b is column-major out^T = b^T @ a^T: cuBLAS gets b first.
-    c_alpha, c_beta = ctypes.c_float(alpha), ctypes.c_float(beta)
+    c_alpha, c_beta = _scalar(alpha), _scalar(beta)
     _library().gemm(
         op_b[0],
         op_a[0],
@@ -160,14 +174,14 @@ def gemm(
         k,
         ctypes.addressof(c_alpha),
         b.data.ptr,
-        _CUDA_TYPE[name],
+        in_type,
         op_b[1],
         a.data.ptr,
-        _CUDA_TYPE[name],
+        in_type,
         op_a[1],
         ctypes.addressof(c_beta),
         out.data.ptr,
-        _CUDA_TYPE[out_name],
+        out_type,
         out.strides[0] // out.itemsize,
         _COMPUTE_32F,
         _GEMM_DEFAULT,
@@ -188,7 +202,7 @@ def gemm_batched(a: Any, b: Any) -> Any:
     """a @ b for 3-D CuPy arrays a [n, m, k], b [n, k, p] of one float dtype, summed in float32:
     a new C-contiguous [n, m, p] array of that dtype. Each operand's matrices may be row-major
     or transposed views at one batch stride (anything else is copied first)."""
-    name = _checked_dtype(a, b, "gemm_batched")
+    in_type = _checked_type(a, b, "gemm_batched")
     n, m, k = a.shape
     n2, k2, p = b.shape
     if n != n2 or k != k2:
@@ -207,25 +221,24 @@ def gemm_batched(a: Any, b: Any) -> Any:
         b = cp.ascontiguousarray(b)
         op_b = (_OP_N, p, k * p)
     # As in `gemm`: row-major a @ b is column-major bᵀ @ aᵀ, so cuBLAS gets b first.
-    c_alpha, c_beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
     _library().gemm_batched(
         op_b[0],
         op_a[0],
         p,
         m,
         k,
-        ctypes.addressof(c_alpha),
+        ctypes.addressof(_SCALARS[1.0]),
         b.data.ptr,
-        _CUDA_TYPE[name],
+        in_type,
         op_b[1],
         op_b[2],
         a.data.ptr,
-        _CUDA_TYPE[name],
+        in_type,
         op_a[1],
         op_a[2],
-        ctypes.addressof(c_beta),
+        ctypes.addressof(_SCALARS[0.0]),
         out.data.ptr,
-        _CUDA_TYPE[name],
+        in_type,
         p,
         m * p,
         n,

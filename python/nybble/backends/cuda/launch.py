@@ -53,6 +53,7 @@ def kernel_names() -> list[str]:
         f"gemv_tc_{s}_g{g}{dq}" for s in ("f16", "bf16") for g in (32, 64) for dq in ("", "_dq")
     ]
     names += [f"scan_non_finite_{s}" for s in suffixes]
+    names += [f"narrow_pair_{s}" for s in ("f16", "bf16")]
     return [*names, "narrow_f64", "decode_scales"]
 
 
@@ -439,6 +440,44 @@ def narrow_f64(x: Any) -> Any:
         threads = module.facts.threads
         module.function("narrow_f64")(_grid(x.size, threads), (threads,), (x, np.int64(x.size), y))
     return y
+
+
+_narrow_pairs: dict[tuple[int, str], kernels.PreparedLaunch] = {}
+
+
+def narrow_pair(a: Any, b: Any, dtype: str) -> tuple[Any, Any] | None:
+    """Two float32 arrays rounded (nearest even) to the 16-bit `dtype` in one prepared launch
+    (kernels/nf4.cu: narrow_pair): new arrays of their shapes. None when they are not both
+    C-contiguous, 16-byte aligned float32 arrays on one device, or `dtype` is not 16-bit:
+    the caller then casts them itself."""
+    if dtype not in ("float16", "bfloat16") or type(a) is not cp.ndarray:
+        return None
+    device = a.data.device_id
+    if not (_tokens_ok(a, ("float32",), device) and _tokens_ok(b, ("float32",), device)):
+        return None
+    key = (device, dtype)
+    launch = _narrow_pairs.get(key)
+    module = kernels.module(device=device)
+    if launch is None:
+        kernel = module.function(f"narrow_pair_{SUFFIX[dtype]}")
+        zero = np.int64(0)
+        launch = _narrow_pairs[key] = kernels.PreparedLaunch(
+            kernel, 1, module.facts.threads, (a, zero, a, zero, a, a)
+        )
+    np_dtype = numpy_dtype(dtype)
+    out_a, out_b = cp.empty(a.shape, np_dtype), cp.empty(b.shape, np_dtype)
+    n = a.size + b.size
+    if n:
+        launch(
+            (0, a.data.ptr),
+            (1, a.size),
+            (2, b.data.ptr),
+            (3, b.size),
+            (4, out_a.data.ptr),
+            (5, out_b.data.ptr),
+            grid=_grid(n, module.facts.threads)[0],
+        )
+    return out_a, out_b
 
 
 # --- the fused GEMV ----------------------------------------------------------------------------
