@@ -460,9 +460,11 @@ def narrow_pair(a: Any, b: Any, dtype: str) -> tuple[Any, Any] | None:
     module = kernels.module(device=device)
     if launch is None:
         kernel = module.function(f"narrow_pair_{SUFFIX[dtype]}")
-        zero = np.int64(0)
+        # Every argument is set per call: null addresses and sizes until then (an array here
+        # would be held alive by the launch for good).
+        null, zero = np.uint64(0), np.int64(0)
         launch = _narrow_pairs[key] = kernels.PreparedLaunch(
-            kernel, 1, module.facts.threads, (a, zero, a, zero, a, a)
+            kernel, 1, module.facts.threads, (null, zero, null, zero, null, null)
         )
     np_dtype = numpy_dtype(dtype)
     out_a, out_b = cp.empty(a.shape, np_dtype), cp.empty(b.shape, np_dtype)
