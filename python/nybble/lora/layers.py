@@ -480,10 +480,12 @@ class _LoraLayer:
             grad_m = (dy * c["dora_out"]).sum(axis=0, dtype=f32) / c["norms"]
             calls.grad_magnitude = grad_m.astype(f32, copy=False)
             dyg = dy * g
-        # dx first, whose base product is the step's longest: on the GPU it then runs while
-        # the host makes the adapter gradients' calls below.
+        # The order of these allocations is the memory estimator's too (nybble.memory.
+        # nybble_timeline shadows it: CuPy's pool reuses blocks by it).
+        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
         gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
         self._record_rows(gh, dy, "grad_y")
+        calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
         dx = backend.matmul(gh, a)  # the LoRA branch's part of dL/dx, [m, in]
         if keep is not None:
             dx *= keep
@@ -495,8 +497,6 @@ class _LoraLayer:
             # DoRA with dropout: y = x Wᵀ + (g-1)·(x_d Wᵀ) + g·s·(x_d Aᵀ Bᵀ).
             dx += self._base.backward(dy * (g - 1)) * keep
             self._base.backward(dy, out=dx, accumulate=True)
-        calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
-        calls.grad_a = backend.matmul(gh.T, xd, out_dtype=f32)
         return self._result(dx, gx_dtype, in_shape, out, "out")
 
     def _move(self, to: Backend) -> None:
