@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
 
 from ..safetensors_io import Entry
-from ._output import ShardedWriter
-from ._source import Checkpoint
+from ._output import OutputDirectory, ShardedWriter
+from ._source import CONFIG_FILE, Checkpoint
 
 #: Memory tasks in flight may hold at least (a larger task runs alone): room for a task being
 #: read, one computed and one written, so that the disk and the cores work at once.
@@ -263,3 +265,32 @@ def run(
         raise state.errors[0]
     if progress is not None:
         progress.finish()
+
+
+def write_checkpoint(
+    source: Checkpoint,
+    tasks: Sequence[Task],
+    target: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    shard_size: int,
+    config: Mapping[str, Any] | None,
+    progress: Progress | None = None,
+) -> Path:
+    """Writes the results of `tasks` as the safetensors shards of a new checkpoint directory
+    `target`, with `config` as its config.json (none when None) and the source's other files
+    copied; the directory appears whole or not at all. Returns its path."""
+    with OutputDirectory(target, overwrite) as out:
+        writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
+        try:
+            run(tasks, source, writer, progress)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        if config is not None:
+            out.write_json(CONFIG_FILE, config)
+        for f in source.extra_files():
+            out.copy(f)
+        out.commit()
+    return out.target

@@ -17,9 +17,9 @@ from ..tensor import NF4Tensor
 from . import _layouts
 from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name, written_files
 from ._layouts import QuantGroup
-from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter, without_quantization
-from ._pipeline import Progress, Scratch, Task, copy_task, run
-from ._source import CONFIG_FILE, Checkpoint
+from ._output import DEFAULT_MAX_SHARD_SIZE, without_quantization
+from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
+from ._source import Checkpoint
 
 
 def dequantize_checkpoint(
@@ -57,21 +57,17 @@ def dequantize_checkpoint(
                 tasks.append(dequantize_task(ckpt, group, out_dtype, backend))
                 done["dequantized"].append(group.prefix)
         report = Report("dequantize", str(ckpt.path), str(target), weights=done)
-        with OutputDirectory(target, overwrite) as out:
-            writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
-            try:
-                run(tasks, ckpt, writer, progress)
-                writer.finish()
-            except BaseException:
-                writer.abort()
-                raise
-            if ckpt.config is not None:
-                out.write_json(CONFIG_FILE, without_quantization(ckpt.config))
-            for f in ckpt.extra_files():
-                out.copy(f)
-            out.commit()
+        written = write_checkpoint(
+            ckpt,
+            tasks,
+            target,
+            overwrite=overwrite,
+            shard_size=shard_size,
+            config=None if ckpt.config is None else without_quantization(ckpt.config),
+            progress=progress,
+        )
         report.bytes_read = ckpt.nbytes
-    report.files, report.bytes_written = written_files(out.target)
+    report.files, report.bytes_written = written_files(written)
     report.seconds = timer.seconds()
     return report
 

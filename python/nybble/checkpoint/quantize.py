@@ -29,8 +29,8 @@ from ._common import (
     written_files,
 )
 from ._layouts import Layout, QuantGroup, QuantSpec
-from ._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter
-from ._pipeline import Progress, Scratch, Task, copy_task, run
+from ._output import DEFAULT_MAX_SHARD_SIZE
+from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
 from ._source import CONFIG_FILE, Checkpoint
 
 #: quantization_config.quant_method of checkpoints this module can read or write.
@@ -91,21 +91,17 @@ def quantize_checkpoint(
         elif config is not None:
             config["quantization_config"] = nybble_quantization_config(spec)
         report = Report("quantize", str(ckpt.path), str(target), weights=done)
-        with OutputDirectory(target, overwrite) as out:
-            writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
-            try:
-                run(tasks, ckpt, writer, progress)
-                writer.finish()
-            except BaseException:
-                writer.abort()
-                raise
-            if config is not None:
-                out.write_json(CONFIG_FILE, config)
-            for f in ckpt.extra_files():
-                out.copy(f)
-            out.commit()
+        written = write_checkpoint(
+            ckpt,
+            tasks,
+            target,
+            overwrite=overwrite,
+            shard_size=shard_size,
+            config=config,
+            progress=progress,
+        )
         report.bytes_read = ckpt.nbytes
-    report.files, report.bytes_written = written_files(out.target)
+    report.files, report.bytes_written = written_files(written)
     report.seconds = timer.seconds()
     return report
 
