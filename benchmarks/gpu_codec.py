@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import json
 import statistics
 import time
@@ -692,6 +693,15 @@ def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
         layer.forward(tx)
         layer.backward(tdy)
 
+    # The driver's own launch, through CuPy's compiled binding: the host time of a launch that
+    # no Python above it can remove.
+    from cupy.cuda import driver
+
+    _EMPTY((1,), (32,), ())  # compiled: its function handle exists
+    empty_function, stream = int(_EMPTY.kernel.ptr), cp.cuda.get_current_stream().ptr
+    args_buffer = (ctypes.c_void_p * 1)()  # the kernel has none; the buffer lives to the end
+    no_args = ctypes.addressof(args_buffer)
+
     # (the call, whether it waits for the GPU: those run without the spin ahead of them, and
     # how many calls: few enough of the layer's step, some 20 launches each, that they do not
     # fill the GPU's launch queue behind the spin, where a launch waits for room)
@@ -707,6 +717,11 @@ def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
         "nybble.quantize(f32 4096^2)": (lambda: nybble.quantize(w32), True, calls),
         "QLoraLinear fwd+bwd, 4096 tokens": (layer_step, False, 5),
         "an empty CuPy kernel launch": (lambda: _EMPTY((1,), (32,), ()), False, calls),
+        "the driver's launch alone (cuLaunchKernel, an empty kernel)": (
+            lambda: driver.launchKernel(empty_function, 1, 1, 1, 32, 1, 1, 0, stream, no_args, 0),
+            False,
+            calls,
+        ),
     }
     clock_khz = cp.cuda.Device().attributes["ClockRate"]
     for name, (fn, waits, n) in runs.items():

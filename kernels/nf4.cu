@@ -737,11 +737,18 @@ template <> __device__ __forceinline__ void mma_16816<2>(float* d, const u32* a,
 }
 
 // Asynchronous copies global -> shared (sm_80+): `bytes` of them read, the rest zero-filled.
+// The prefetch-size hints let L2 fetch a code copy's whole 256-byte span (a warp copies 512
+// contiguous bytes of a row) and a scale's 128: on an H100, two runs in one process each
+// against the copies without them, the GEMV 0.1-1.5% faster at 4096^2, 8192^2, 14336x4096 and
+// 4096x14336 for 1 and 8 tokens (8192^2, 1 token: 0.7-1.2%), double-quantized within 0.2%;
+// results bit-identical.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(bytes));
 }
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+                 "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
