@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any, Protocol
 
 import numpy as np
 
 from ..safetensors_io import Entry
+from ._common import Report, written_files
 from ._output import OutputDirectory, ShardedWriter
 from ._source import CONFIG_FILE, Checkpoint
 
@@ -270,16 +270,17 @@ def run(
 def write_checkpoint(
     source: Checkpoint,
     tasks: Sequence[Task],
+    config: Mapping[str, Any] | None,
+    report: Report,
     target: str | os.PathLike[str],
-    *,
     overwrite: bool,
     shard_size: int,
-    config: Mapping[str, Any] | None,
-    progress: Progress | None = None,
-) -> Path:
+    progress: Progress | None,
+) -> None:
     """Writes the results of `tasks` as the safetensors shards of a new checkpoint directory
     `target`, with `config` as its config.json (none when None) and the source's other files
-    copied; the directory appears whole or not at all. Returns its path."""
+    copied; the directory appears whole or not at all. Counts the bytes read and the files and
+    bytes written in `report`."""
     with OutputDirectory(target, overwrite) as out:
         writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
         try:
@@ -293,4 +294,5 @@ def write_checkpoint(
         for f in source.extra_files():
             out.copy(f)
         out.commit()
-    return out.target
+    report.bytes_read = source.nbytes
+    report.files, report.bytes_written = written_files(out.target)

@@ -15,7 +15,7 @@ from ..formats import OutputDtype
 from ..safetensors_io import Entry
 from ..tensor import NF4Tensor
 from . import _layouts
-from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name, written_files
+from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name
 from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
@@ -57,17 +57,8 @@ def dequantize_checkpoint(
                 tasks.append(dequantize_task(ckpt, group, out_dtype, backend))
                 done["dequantized"].append(group.prefix)
         report = Report("dequantize", str(ckpt.path), str(target), weights=done)
-        written = write_checkpoint(
-            ckpt,
-            tasks,
-            target,
-            overwrite=overwrite,
-            shard_size=shard_size,
-            config=None if ckpt.config is None else without_quantization(ckpt.config),
-            progress=progress,
-        )
-        report.bytes_read = ckpt.nbytes
-    report.files, report.bytes_written = written_files(written)
+        config = None if ckpt.config is None else without_quantization(ckpt.config)
+        write_checkpoint(ckpt, tasks, config, report, target, overwrite, shard_size, progress)
     report.seconds = timer.seconds()
     return report
 

@@ -30,7 +30,6 @@ from ._common import (
     dtype_name,
     first,
     parse_size,
-    written_files,
 )
 from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, without_quantization
@@ -117,17 +116,8 @@ def merge_adapter(
                 tasks.append(copy_task(name, Entry(name, info.dtype, info.shape)))
                 done["copied"].append(name)
         report = Report("merge", str(ckpt.path), str(target), weights=done)
-        written = write_checkpoint(
-            ckpt,
-            tasks,
-            target,
-            overwrite=overwrite,
-            shard_size=shard_size,
-            config=None if ckpt.config is None else without_quantization(ckpt.config),
-            progress=progress,
-        )
-        report.bytes_read = ckpt.nbytes
-    report.files, report.bytes_written = written_files(written)
+        config = None if ckpt.config is None else without_quantization(ckpt.config)
+        write_checkpoint(ckpt, tasks, config, report, target, overwrite, shard_size, progress)
     report.seconds = timer.seconds()
     return report
 

@@ -26,7 +26,6 @@ from ._common import (
     module_of,
     parse_size,
     select_targets,
-    written_files,
 )
 from ._layouts import Layout, QuantGroup, QuantSpec
 from ._output import DEFAULT_MAX_SHARD_SIZE
@@ -91,17 +90,7 @@ def quantize_checkpoint(
         elif config is not None:
             config["quantization_config"] = nybble_quantization_config(spec)
         report = Report("quantize", str(ckpt.path), str(target), weights=done)
-        written = write_checkpoint(
-            ckpt,
-            tasks,
-            target,
-            overwrite=overwrite,
-            shard_size=shard_size,
-            config=config,
-            progress=progress,
-        )
-        report.bytes_read = ckpt.nbytes
-    report.files, report.bytes_written = written_files(written)
+        write_checkpoint(ckpt, tasks, config, report, target, overwrite, shard_size, progress)
     report.seconds = timer.seconds()
     return report
 
