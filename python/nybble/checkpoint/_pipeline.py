@@ -21,7 +21,7 @@ import numpy as np
 
 from ..safetensors_io import Entry
 from ._common import Report, written_files
-from ._output import OutputDirectory, ShardedWriter
+from ._output import OutputDirectory, ShardedWriter, copy_files
 from ._source import CONFIG_FILE, Checkpoint
 
 #: Memory tasks in flight may hold at least (a larger task runs alone): room for a task being
@@ -291,8 +291,7 @@ def write_checkpoint(
             raise
         if config is not None:
             out.write_json(CONFIG_FILE, config)
-        for f in source.extra_files():
-            out.copy(f)
+        copy_files(out, source.extra_files())
         out.commit()
     report.bytes_read = source.nbytes
     report.files, report.bytes_written = written_files(out.target)
