@@ -97,7 +97,7 @@ class CudaBackend:
             if found is not None:
                 return found
         if out is None:
-            out = cp.empty(q.shape, numpy_dtype(dtype))
+            out = cp.ndarray(q.shape, numpy_dtype(dtype))  # see launch.GemvWeight.fast
         elif (
             type(out) is not cp.ndarray
             or dtype_name(out.dtype) != dtype
@@ -197,7 +197,7 @@ class CudaBackend:
             _check_out(out, shape, x.dtype)
         beta = 1.0 if accumulate and out is not None else 0.0
         if transpose and 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
-            y = cp.empty(shape, x.dtype) if out is None or beta else out
+            y = cp.ndarray(shape, x.dtype) if out is None or beta else out
             self.gemv_weight(w)(ready(x), y)
             if out is not None and y is not out:
                 out += y
