@@ -33,7 +33,7 @@ import numpy as np
 from _timing import RESULTS, emit
 
 import nybble
-from nybble import cuda
+from nybble import _core, cuda
 from nybble.backends.cuda import kernels, launch
 from nybble.backends.cuda.arrays import as_cupy
 from nybble.formats import NestedAbsmax
@@ -266,15 +266,20 @@ class Bench:
         self.record("empty kernel (the per-call floor of any kernel)", "-", empty)
         empty_call = per_call(lambda i: _EMPTY((1,), (32,), ()), self.repeat)
         self.record("per call: an empty CuPy kernel launch", "-", empty_call)
-        # The floor of nybble's own launch path: a prepared cuLaunchKernel of a kernel with no
-        # work (narrow_f64 over 0 elements).
+        # The floor of nybble's own launch paths, a kernel with no work (narrow_f64 over 0
+        # elements): the prepared ctypes launch, and the core's (what the GEMV's fast path and
+        # a whole dequantize use).
         module = kernels.module()
         dummy = cp.empty(2, cp.float64)
         floor = kernels.PreparedLaunch(
             module.function("narrow_f64"), 1, 32, (dummy, np.int64(0), dummy)
         )
         prepared = per_call(lambda i: floor(), self.repeat)
-        self.record("per call: an empty kernel, prepared driver launch (the floor)", "-", prepared)
+        self.record("per call: an empty kernel, prepared ctypes launch", "-", prepared)
+        core = floor.call_setting(())
+        stream = cp.cuda.get_current_stream().ptr
+        native = per_call(lambda i: core(stream), self.repeat)
+        self.record("per call: an empty kernel, the core's launch (the floor)", "-", native)
 
     def same_bytes_copy(
         self, nbytes: int, measure: Callable[[Callable[[int], Any], int], float] = gpu_median
@@ -701,6 +706,7 @@ def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
     empty_function, stream = int(_EMPTY.kernel.ptr), cp.cuda.get_current_stream().ptr
     args_buffer = (ctypes.c_void_p * 1)()  # the kernel has none; the buffer lives to the end
     no_args = ctypes.addressof(args_buffer)
+    core_empty = _core.KernelLaunch(empty_function, 1, 32, 0, [], [], False)
 
     # (the call, whether it waits for the GPU: those run without the spin ahead of them, and
     # how many calls: few enough of the layer's step, some 20 launches each, that they do not
@@ -719,6 +725,11 @@ def host_profile(bench: Bench, bnb: Any, calls: int = 50) -> None:
         "an empty CuPy kernel launch": (lambda: _EMPTY((1,), (32,), ()), False, calls),
         "the driver's launch alone (cuLaunchKernel, an empty kernel)": (
             lambda: driver.launchKernel(empty_function, 1, 1, 1, 32, 1, 1, 0, stream, no_args, 0),
+            False,
+            calls,
+        ),
+        "the core's launch (_core.KernelLaunch, an empty kernel)": (
+            lambda: core_empty(stream),
             False,
             calls,
         ),

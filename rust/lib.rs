@@ -31,6 +31,8 @@
 pub mod buffer;
 pub mod codebook;
 pub mod codec;
+#[cfg(unix)]
+pub mod cuda_launch;
 pub mod double_quant;
 pub mod element;
 pub mod error;

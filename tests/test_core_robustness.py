@@ -594,3 +594,35 @@ def test_input_toggled_to_nan_during_quantize_gives_a_result_or_non_finite_error
         stop.set()
         toggler.join()
     assert results + errors > 0
+
+
+@pytest.mark.skipif(not hasattr(_core, "KernelLaunch"), reason="no dlopen on this OS")
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((0, 1, 32, 0, [], [], False), ValueError, "null CUfunction"),
+        ((1, 0, 32, 0, [], [], False), ValueError, "grid and block must be positive"),
+        ((1, 1, 0, 0, [], [], False), ValueError, "grid and block must be positive"),
+        ((1, 1, 32, 0, [0] * 17, [], False), ValueError, "at most 16 parameters"),
+        ((1, 1, 32, 0, [0, 0], [2], False), ValueError, "parameter 2 of a kernel of 2"),
+        ((1, 1, 32, 0, [-1], [], False), OverflowError, "negative"),
+        ((1, 2**32, 32, 0, [], [], False), OverflowError, "out of range"),
+        (("f", 1, 32, 0, [], [], False), TypeError, "cannot be interpreted as an integer"),
+    ],
+)
+def test_kernel_launches_refuse_arguments_that_make_no_launch(
+    args: tuple[Any, ...], error: type[Exception], match: str
+) -> None:
+    """Checked before the driver is looked for, so the same errors with or without a GPU."""
+    with pytest.raises(error, match=match):
+        _core.KernelLaunch(*args)
+
+
+@pytest.mark.skipif(not hasattr(_core, "KernelLaunch"), reason="no dlopen on this OS")
+def test_kernel_launches_without_a_driver_are_runtime_errors() -> None:
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has the CUDA driver")
+    with pytest.raises(RuntimeError, match=r"the CUDA driver is unavailable: .*libcuda"):
+        _core.KernelLaunch(1, 1, 32, 0, [0, 0], [0], True)

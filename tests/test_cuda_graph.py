@@ -81,6 +81,27 @@ def test_a_decode_step_of_gemvs_replays_as_eager_calls() -> None:
     replays_equal_eager(xs, ys, step, eager)
 
 
+def test_gemv_outputs_allocated_in_a_capture_are_the_graphs() -> None:
+    """The allocating GEMV takes an output allocated ahead by its previous call; inside a
+    capture it must not (that memory is not the graph's): the captured call's output is memory
+    the graph keeps, and replays into it equal eager calls."""
+    q = nybble.quantize(random((256, 512), "float32", 3, 0.05))
+    x = random((1, 512), "bfloat16", 4)
+    for _ in range(3):
+        cuda.nf4_matmul(x, q)  # eager calls leave an output allocated ahead
+    held: list[Any] = []
+    graph = cuda.capture(lambda: held.append(cuda.nf4_matmul(x, q)), x, warmup=0)
+    (y,) = held
+    assert y.data.ptr in {m.ptr for m in graph._allocations}
+    for round_ in range(3):
+        x[...] = random(x.shape, "bfloat16", 20 + round_)
+        junk = [cp.full(1 << 16, 7, cp.float32) for _ in range(8)]
+        graph.replay()
+        cp.cuda.get_current_stream().synchronize()
+        np.testing.assert_array_equal(bits(y), bits(cuda.nf4_matmul(x, q)))
+        del junk
+
+
 def test_the_cublas_paths_and_dequantize_replay_with_their_temporaries_kept() -> None:
     """More tokens than the GEMV takes and the transposed product dequantize the weight into a
     temporary inside the captured work; the graph keeps it while it lives."""

@@ -235,6 +235,53 @@ def test_threads_sharing_a_weight_get_their_own_products() -> None:
             np.testing.assert_array_equal(y.view(np.uint16), want[i].view(np.uint16))
 
 
+def test_allocating_gemv_calls_each_return_their_own_output() -> None:
+    """A call without `out` returns an output allocated ahead by the call before it on the same
+    stream: results kept across many calls, on two streams in turn and inside a stream's
+    own context, are each the product of their own x, in memory no other result shares."""
+    q = nybble.quantize(cp.asarray(weight(192, 256, 50)))
+    xs = [tokens((1, 256), "bfloat16", 60 + i) for i in range(12)]
+    other = cp.cuda.Stream(non_blocking=True)
+    kept = []
+    for i, x in enumerate(xs):
+        if i % 4 == 3:
+            with other:
+                kept.append(cuda.nf4_matmul(x, q))
+            other.synchronize()
+        else:
+            kept.append(cuda.nf4_matmul(x, q))
+    cp.cuda.get_current_stream().synchronize()
+    assert len({y.data.ptr for y in kept}) == len(kept)
+    for y, x in zip(kept, xs, strict=True):
+        assert_within_bound(y, x, exact_weight(q).T, "bfloat16")
+
+
+def test_the_fast_path_launches_through_the_core_or_ctypes_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path's launch is the Rust core's driver call where it loads, else the ctypes
+    launch: bit-identical products either way; the core's launch refuses a wrong count of
+    values without launching."""
+    from nybble import _core
+
+    native = _core.KernelLaunch
+    q = nybble.quantize(cp.asarray(weight(160, 256, 70)))
+    x = tokens((2, 256), "float16", 71)
+    want = cuda.nf4_matmul(x, q)
+    fast = cuda_backend.backend().gemv_weight(q.packed)._fast[(x.dtype, x.shape)][0]
+    assert isinstance(fast, native)
+    with pytest.raises(ValueError, match="a call sets 2 values, got 1"):
+        fast(cp.cuda.get_current_stream().ptr, x.data.ptr)
+    monkeypatch.delattr(_core, "KernelLaunch")
+    twin = nybble.NF4Tensor(q.codes.copy(), q.absmax.copy(), q.shape)  # prepared anew
+    out = cp.empty_like(want)
+    got = [cuda.nf4_matmul(x, twin) for _ in range(3)] + [cuda.nf4_matmul(x, twin, out=out)]
+    fast = cuda_backend.backend().gemv_weight(twin.packed)._fast[(x.dtype, x.shape)][0]
+    assert not isinstance(fast, native)
+    for y in got:
+        np.testing.assert_array_equal(cp.asnumpy(y).view("u2"), cp.asnumpy(want).view("u2"))
+
+
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------
 
 

@@ -88,3 +88,19 @@ def dora_row_norms_quantized(
     a: _F32,
     scale: float,
 ) -> _F32: ...
+
+class KernelLaunch:
+    """A kernel launch through the CUDA driver (unix only; RuntimeError where the driver
+    library does not load)."""
+
+    def __init__(
+        self,
+        function: int,
+        grid: int,
+        block: int,
+        shared_mem: int,
+        slots: list[int],
+        varying: list[int],
+        programmatic: bool,
+    ) -> None: ...
+    def __call__(self, stream: int, *values: int, grid: int | None = None) -> None: ...

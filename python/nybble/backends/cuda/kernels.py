@@ -15,7 +15,7 @@ import ctypes
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -281,17 +281,19 @@ class PreparedLaunch:
             self._config_address = ctypes.addressof(self._config)
             self._launch_ex = _driver_launch_ex()
 
-    def __call__(self, *changes: tuple[int, int | float], grid: int | None = None) -> None:
-        """Launches on CuPy's current stream (the capturing one inside a graph capture), after
-        setting each (argument index, address or scalar) of `changes`; the changes stay for
-        the calls that follow."""
+    def __call__(
+        self, *changes: tuple[int, int | float], grid: int | None = None, stream: int | None = None
+    ) -> None:
+        """Launches on `stream` (a handle; default CuPy's current stream, the capturing one
+        inside a graph capture), after setting each (argument index, address or scalar) of
+        `changes`; the changes stay for the calls that follow."""
         values = self._values
         with self._lock:
             for index, value in changes:
                 values[index].value = value
             config = self._config
             if config is not None and self._primed:
-                config.stream = self._current_stream().ptr
+                config.stream = self._current_stream().ptr if stream is None else stream
                 config.grid[0] = self.grid if grid is None else grid
                 status = self._launch_ex(
                     self._config_address, self._function, self._params_address, None
@@ -309,10 +311,38 @@ class PreparedLaunch:
                 1,
                 1,
                 self.shared_mem,
-                self._current_stream().ptr,
+                self._current_stream().ptr if stream is None else stream,
                 self._params_address,
                 0,
             )
+
+    def call_setting(self, varying: Sequence[int]) -> Callable[..., None]:
+        """This launch as a call `(stream, *values, grid=None)` that sets the arguments at
+        `varying` to the values (addresses, or integers of the parameters' types) and launches
+        on the stream (a handle), over `grid` blocks if given: a launch of the Rust core
+        (`_core.KernelLaunch`, the driver called with no Python between, about 3 us less host
+        time a call than this class on the GPU machine) where the driver library loads, else
+        this launch. Either starts plainly the first time (see `__init__`)."""
+        native = getattr(_core, "KernelLaunch", None)  # absent where the OS has no dlopen
+        if native is not None:
+            slots = [int.from_bytes(bytes(v).ljust(8, b"\0"), "little") for v in self._values]
+            try:
+                return native(
+                    self._function,
+                    self.grid,
+                    self.block,
+                    self.shared_mem,
+                    slots,
+                    list(varying),
+                    self._config is not None,
+                )
+            except RuntimeError:  # no driver library to load: the ctypes launch
+                pass
+
+        def call(stream: int, *values: int, grid: int | None = None) -> None:
+            self(*zip(varying, values, strict=True), stream=stream, grid=grid)
+
+        return call
 
 
 _modules: dict[tuple[int, tuple[str, ...]], KernelModule] = {}

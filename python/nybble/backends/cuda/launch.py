@@ -265,7 +265,7 @@ class QuantizeLaunch:
             buckets = module.facts.quant_buckets
             thresholds = table("thresholds", codebook, buckets)
             table_codes = table("codes", codebook, buckets)
-        self._launch = kernels.PreparedLaunch(
+        self._prepared = kernels.PreparedLaunch(
             module.function(f"quantize_{codebook}_{SUFFIX[name]}"),
             1,
             module.facts.threads,
@@ -282,6 +282,10 @@ class QuantizeLaunch:
                 thresholds,
             ),
         )
+        self._launch = self._prepared.call_setting(
+            (self._X, self._N, self._LOG2, self._CODES, self._ABSMAX, self._CHECK, self._FOUND)
+        )
+        self._current_stream = cp.cuda.get_current_stream
 
     def __call__(
         self,
@@ -294,13 +298,14 @@ class QuantizeLaunch:
     ) -> None:
         check, found = (0, 0) if counter is None else counter.arm()  # null: unchecked
         self._launch(
-            (self._X, x.data.ptr),
-            (self._N, n),
-            (self._LOG2, int(log2_bs)),
-            (self._CODES, codes.data.ptr),
-            (self._ABSMAX, absmax.data.ptr),
-            (self._CHECK, check),
-            (self._FOUND, found),
+            self._current_stream().ptr,
+            x.data.ptr,
+            n,
+            int(log2_bs),
+            codes.data.ptr,
+            absmax.data.ptr,
+            check,
+            found,
             grid=_grid(n, self.per_block)[0],
         )
 
@@ -405,17 +410,21 @@ class ScanLaunch:
         self.device = self.module.device
         kernel = self.module.function(f"scan_non_finite_{SUFFIX[self.name]}")
         self.per_block = self.module.facts.scan_per_block(self.name)
-        self._launch = kernels.PreparedLaunch(
+        self._first_bad = first_bad
+        prepared = kernels.PreparedLaunch(
             kernel, 1, self.module.facts.threads, (first_bad, np.int64(0), first_bad)
         )
+        self._launch = prepared.call_setting((self._X, self._N))
+        self._current_stream = cp.cuda.get_current_stream
 
     def __call__(self, x: Any) -> None:
         if not _tokens_ok(x, (self.name,), self.device):
-            scan_non_finite(x, self._launch._arrays[0])  # the checked path (copies if needed)
+            scan_non_finite(x, self._first_bad)  # the checked path (copies if needed)
             return
         n = x.size
         if n:
-            self._launch((self._X, x.data.ptr), (self._N, n), grid=_grid(n, self.per_block)[0])
+            grid = _grid(n, self.per_block)[0]
+            self._launch(self._current_stream().ptr, x.data.ptr, n, grid=grid)
 
 
 def decode_scales(nested: NestedAbsmax, n: int, out: Any) -> None:
@@ -442,7 +451,9 @@ def narrow_f64(x: Any) -> Any:
     return y
 
 
-_narrow_pairs: dict[tuple[int, str], kernels.PreparedLaunch] = {}
+#: narrow_pair's launches by (device, dtype): calls (stream, a, a's size, b, b's size, out_a,
+#: out_b, grid=) (kernels.PreparedLaunch.call_setting).
+_narrow_pairs: dict[tuple[int, str], Any] = {}
 
 
 def narrow_pair(a: Any, b: Any, dtype: str) -> tuple[Any, Any] | None:
@@ -463,20 +474,22 @@ def narrow_pair(a: Any, b: Any, dtype: str) -> tuple[Any, Any] | None:
         # Every argument is set per call: null addresses and sizes until then (an array here
         # would be held alive by the launch for good).
         null, zero = np.uint64(0), np.int64(0)
-        launch = _narrow_pairs[key] = kernels.PreparedLaunch(
+        prepared = kernels.PreparedLaunch(
             kernel, 1, module.facts.threads, (null, zero, null, zero, null, null)
         )
+        launch = _narrow_pairs[key] = prepared.call_setting(range(6))
     np_dtype = numpy_dtype(dtype)
     out_a, out_b = cp.empty(a.shape, np_dtype), cp.empty(b.shape, np_dtype)
     n = a.size + b.size
     if n:
         launch(
-            (0, a.data.ptr),
-            (1, a.size),
-            (2, b.data.ptr),
-            (3, b.size),
-            (4, out_a.data.ptr),
-            (5, out_b.data.ptr),
+            cp.cuda.get_current_stream().ptr,
+            a.data.ptr,
+            a.size,
+            b.data.ptr,
+            b.size,
+            out_a.data.ptr,
+            out_b.data.ptr,
             grid=_grid(n, module.facts.threads)[0],
         )
     return out_a, out_b
@@ -561,8 +574,10 @@ class GemvWeight:
         self.tiles = -(-rows // facts.tc_rows)
         #: Prepared launches by (token dtype, token count).
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
-        #: The 16-bit ones by (dtype, x's shape), with y's shape: what `fast` takes.
+        #: The 16-bit ones by (dtype, x's shape), with y's shape and the output allocated
+        #: ahead for the next call (a list of at most a few (stream, array)): what `fast` takes.
         self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
+        self._current_stream = cp.cuda.get_current_stream
         self._x_strides, self._y_strides = (2 * cols, 2), (2 * rows, 2)
 
     def tc_blocks(self, kernel: Any) -> int:
@@ -612,24 +627,41 @@ class GemvWeight:
         found = self._fast.get((x.dtype, x.shape))
         if found is None:
             return None
-        launch, y_shape = found
+        launch, y_shape, ahead = found
         data = x.data
-        if x.strides != self._x_strides or data.ptr % 16 or data.device_id != self.device:
+        at_x = data.ptr
+        if x.strides != self._x_strides or at_x % 16 or data.device_id != self.device:
             return None
         if out is None:
-            # cp.ndarray is what cp.empty makes, without cp.empty's Python wrapper: 0.3-0.8 us
-            # less host time a call (H100 host, a loop of 20000 allocations).
-            out = cp.ndarray(y_shape, x.dtype)
-        elif (
-            type(out) is not cp.ndarray
-            or out.dtype != x.dtype
+            # y is the output allocated ahead by the previous call on this stream, and this
+            # call allocates the next one once its kernel is queued: the allocation (about
+            # 2 us of host time) then runs beside the kernel instead of before it.
+            stream = self._current_stream()
+            at = stream.ptr
+            try:
+                made_on, y = ahead.pop()
+            except IndexError:
+                made_on = y = None
+            if made_on != at:  # none, or made on another stream: its memory is that stream's
+                # cp.ndarray is what cp.empty makes, without cp.empty's Python wrapper: 0.3-0.8
+                # us less host time a call (H100 host, a loop of 20000 allocations).
+                y = cp.ndarray(y_shape, x.dtype)
+            launch(at, at_x, y.data.ptr)
+            _allocate_ahead(ahead, stream, y_shape, x.dtype)
+            return y
+        if type(out) is not cp.ndarray:
+            return None
+        into = out.data
+        at_y = into.ptr
+        if (
+            out.dtype != x.dtype
             or out.shape != y_shape
             or out.strides != self._y_strides
-            or out.data.ptr % 16
-            or out.data.device_id != self.device
+            or at_y % 16
+            or into.device_id != self.device
         ):
             return None
-        launch((self._X, data.ptr), (self._TC_Y, out.data.ptr))
+        launch(self._current_stream().ptr, at_x, at_y)
         return out
 
     def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
@@ -676,9 +708,27 @@ class GemvWeight:
                 self.smem,
                 programmatic=self.programmatic,
             )
-            self._fast[(key[0], (m, self.cols))] = (made, (m, self.rows))
+            self._fast[(key[0], (m, self.cols))] = (
+                made.call_setting((self._X, self._TC_Y)),
+                (m, self.rows),
+                [],
+            )
         self._launches[key] = made
         return made
+
+
+def _allocate_ahead(ahead: list[Any], stream: Any, shape: tuple[int, int], dtype: Any) -> None:
+    """Allocates the next call's output on `stream`, unless one is waiting or the stream is
+    capturing a graph (whose allocations `cuda.capture` must see made inside it). The list's
+    pop and append are atomic, so threads sharing a weight never take the same output."""
+    if ahead:
+        return
+    try:
+        if stream.is_capturing():
+            return
+    except Exception:  # cudaErrorStreamCaptureImplicit: another thread's capture; skip it
+        return
+    ahead.append((stream.ptr, cp.ndarray(shape, dtype)))
 
 
 class DequantizeWeight:
@@ -712,13 +762,17 @@ class DequantizeWeight:
         self.values = table("values", codebook)
         self.device = int(codes.data.device_id)
         self.module = kernels.module(device=self.device)
-        self._launches: dict[str, kernels.PreparedLaunch] = {}
-        #: Launches over the whole tensor by output dtype name, with their grid and dtype.
-        self._whole: dict[str, tuple[kernels.PreparedLaunch, int, Any]] = {}
+        #: Launches of a range by output dtype name: calls (stream, start, n, out, grid=)
+        #: (kernels.PreparedLaunch.call_setting).
+        self._launches: dict[str, Any] = {}
+        #: Launches over the whole tensor by output dtype name (calls of the output's address,
+        #: kernels.PreparedLaunch.call_setting), with the dtype.
+        self._whole: dict[str, tuple[Any, Any]] = {}
+        self._current_stream = cp.cuda.get_current_stream
 
-    def _launch(self, name: str, n: int = 0) -> kernels.PreparedLaunch:
+    def _launch(self, name: str, n: int = 0, grid: int = 1) -> kernels.PreparedLaunch:
         """A prepared launch of n elements into `name` outputs (its start, output, and size
-        when n is 0, set per call)."""
+        when n is 0, set per call) over `grid` blocks (or as a call says)."""
         kernel = f"dequant4_split_{SUFFIX[name]}" if self.bits == 4 else f"dequant8_{SUFFIX[name]}"
         args = (
             self.codes,
@@ -730,7 +784,7 @@ class DequantizeWeight:
             self.codes,  # the output, set per call
         )
         return kernels.PreparedLaunch(
-            self.module.function(kernel), 1, self.module.facts.threads, args
+            self.module.function(kernel), grid, self.module.facts.threads, args
         )
 
     def __call__(self, start: int, out: Any) -> None:
@@ -749,13 +803,10 @@ class DequantizeWeight:
         name = dtype_name(out.dtype)
         launch = self._launches.get(name)
         if launch is None:
-            launch = self._launches[name] = self._launch(name)
-        launch(
-            (self._START, start),
-            (self._N, n),
-            (self._OUT, out.data.ptr),
-            grid=_grid(n, self.module.facts.dequant_per_block(name))[0],
-        )
+            varying = (self._START, self._N, self._OUT)
+            launch = self._launches[name] = self._launch(name).call_setting(varying)
+        grid = _grid(n, self.module.facts.dequant_per_block(name))[0]
+        launch(self._current_stream().ptr, start, n, out.data.ptr, grid=grid)
 
     def whole(self, dtype: str, out: Any) -> Any:
         """The whole tensor as `dtype` (one of DTYPES) in `out`, or in a new array of the
@@ -766,10 +817,10 @@ class DequantizeWeight:
         if found is None:
             if self.total == 0 or dtype not in DTYPES:
                 return None
-            launch = self._launch(dtype, self.total)
             grid = _grid(self.total, self.module.facts.dequant_per_block(dtype))[0]
-            found = self._whole[dtype] = (launch, grid, numpy_dtype(dtype))
-        launch, grid, np_dtype = found
+            launch = self._launch(dtype, self.total, grid).call_setting((self._OUT,))
+            found = self._whole[dtype] = (launch, numpy_dtype(dtype))
+        launch, np_dtype = found
         if out is None:
             out = cp.ndarray(self.shape, np_dtype)  # cp.empty's array (see GemvWeight.fast)
         elif (
@@ -781,5 +832,5 @@ class DequantizeWeight:
             or out.data.device_id != self.device
         ):
             return None
-        launch((self._OUT, out.data.ptr), grid=grid)
+        launch(self._current_stream().ptr, out.data.ptr)
         return out
