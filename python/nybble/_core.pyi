@@ -1,7 +1,10 @@
 """Type stubs of the Rust extension module (rust/py.rs)."""
 
+from typing import final
+
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
 __all__ = [
     "BLOCK36_BYTES",
@@ -9,6 +12,7 @@ __all__ = [
     "MAX_BLOCKSIZE",
     "MIN_BLOCKSIZE",
     "NESTED_BLOCKSIZE",
+    "KernelLaunch",
     "_panic",
     "code_bits",
     "codebook_thresholds",
@@ -89,12 +93,13 @@ def dora_row_norms_quantized(
     scale: float,
 ) -> _F32: ...
 
+@final
 class KernelLaunch:
     """A kernel launch through the CUDA driver (unix only; RuntimeError where the driver
     library does not load)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         function: int,
         grid: int,
         block: int,
@@ -102,5 +107,5 @@ class KernelLaunch:
         slots: list[int],
         varying: list[int],
         programmatic: bool,
-    ) -> None: ...
+    ) -> Self: ...
     def __call__(self, stream: int, *values: int, grid: int | None = None) -> None: ...
