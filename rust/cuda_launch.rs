@@ -1,16 +1,18 @@
 //! Kernel launches through the CUDA driver library, loaded at run time (`libcuda.so.1`; nothing
 //! links against CUDA). The Python package compiles and loads its kernels with CuPy and prepares
 //! each launch once; a launch made here costs the driver's call and little else, where the same
-//! call through ctypes spends a few microseconds of Python on a slow host (the GPU machine:
-//! 8.4-9.0 us a prepared ctypes launch against 5.6 us for the driver's call alone).
+//! call through ctypes spends 1-2.6 microseconds more of the host's time (H100 hosts; see
+//! docs/benchmarks.md, fifth round). The GIL is released around the driver's call, as CuPy's
+//! and ctypes' launches do, so a call never holds it while the driver blocks on a full queue.
 //!
 //! The caller vouches for what the driver gets: a loaded function of its context, parameters
 //! matching the kernel's, a stream of the same context. Nothing here reads device memory.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-/// A kernel's parameters at most (the GEMV's take 11).
+/// A kernel's parameters at most (the tensor-core GEMV's take 14).
 pub const MAX_PARAMS: usize = 16;
 
 /// Why a launch was not made: no driver, arguments that do not fit the launch, or the
@@ -19,7 +21,8 @@ pub const MAX_PARAMS: usize = 16;
 pub enum LaunchError {
     Unavailable(String),
     Arguments(String),
-    Driver(i32),
+    /// The CUresult and its name.
+    Driver(i32, String),
 }
 
 impl std::fmt::Display for LaunchError {
@@ -27,7 +30,9 @@ impl std::fmt::Display for LaunchError {
         match self {
             LaunchError::Unavailable(why) => write!(f, "the CUDA driver is unavailable: {why}"),
             LaunchError::Arguments(why) => f.write_str(why),
-            LaunchError::Driver(code) => write!(f, "the kernel launch failed: CUresult {code}"),
+            LaunchError::Driver(code, name) => {
+                write!(f, "the kernel launch failed: CUresult {code} ({name})")
+            }
         }
     }
 }
@@ -53,8 +58,8 @@ type LaunchKernelEx = unsafe extern "C" fn(
     extra: *mut *mut c_void,
 ) -> c_int;
 
-/// CUlaunchAttribute: an id, padding, a 64-byte value.
-#[repr(C)]
+/// CUlaunchAttribute: an id, padding, a 64-byte value (a union holding pointers: 8-aligned).
+#[repr(C, align(8))]
 struct LaunchAttribute {
     id: c_int,
     pad: [u8; 4],
@@ -75,10 +80,32 @@ struct LaunchConfig {
 /// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 const PROGRAMMATIC: c_int = 6;
 
+type GetErrorName = unsafe extern "C" fn(status: c_int, name: *mut *const c_char) -> c_int;
+
 struct Driver {
     launch: LaunchKernel,
     /// None before CUDA 12.
     launch_ex: Option<LaunchKernelEx>,
+    error_name: Option<GetErrorName>,
+}
+
+impl Driver {
+    /// "CUDA_ERROR_..." for a CUresult, where the driver knows it.
+    fn error_name(&self, status: c_int) -> Option<String> {
+        let get = self.error_name?;
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY: cuGetErrorName writes a pointer to a static NUL-terminated string, or fails.
+        let found = unsafe { get(status, &mut name) };
+        if found != 0 || name.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, static and NUL-terminated (above).
+        Some(
+            unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
 }
 
 fn driver() -> Result<&'static Driver, LaunchError> {
@@ -103,10 +130,13 @@ fn load_driver() -> Result<Driver, String> {
             return Err(dl_error("cuLaunchKernel"));
         }
         let launch_ex = libc::dlsym(handle, c"cuLaunchKernelEx".as_ptr());
+        let error_name = libc::dlsym(handle, c"cuGetErrorName".as_ptr());
         Ok(Driver {
             launch: std::mem::transmute::<*mut c_void, LaunchKernel>(launch),
             launch_ex: (!launch_ex.is_null())
                 .then(|| std::mem::transmute::<*mut c_void, LaunchKernelEx>(launch_ex)),
+            error_name: (!error_name.is_null())
+                .then(|| std::mem::transmute::<*mut c_void, GetErrorName>(error_name)),
         })
     }
 }
@@ -128,20 +158,23 @@ pub fn programmatic_available() -> Result<bool, LaunchError> {
 }
 
 /// One kernel's launch, prepared: its parameters' values held in 8-byte slots (a parameter of
-/// 4 bytes in the slot's low bytes, little-endian as the driver reads it), some of them set by
-/// each call.
+/// 4 bytes in the slot's low bytes, little-endian as the driver reads it), some of them given
+/// by each call. A call copies the slots and changes only its copy, so calls from several
+/// threads never see each other's values.
 pub struct KernelLaunch {
     function: usize,
     grid: u32,
     block: u32,
     shared_mem: u32,
-    slots: Vec<u64>,
+    slots: [u64; MAX_PARAMS],
+    count: usize,
     /// The slots a call sets, in the order of its values.
     varying: Vec<usize>,
-    /// Programmatic once primed: the first launch is plain, so that it runs after whatever
-    /// wrote the kernel's constant inputs (see `nybble.backends.cuda.kernels.PreparedLaunch`).
+    /// Programmatic once primed: the first launch that succeeds is plain, so that it runs after
+    /// whatever wrote the kernel's constant inputs (see
+    /// `nybble.backends.cuda.kernels.PreparedLaunch`).
     programmatic: bool,
-    primed: bool,
+    primed: AtomicBool,
 }
 
 impl KernelLaunch {
@@ -165,11 +198,15 @@ impl KernelLaunch {
                 "grid and block must be positive, got {grid} and {block}"
             ));
         }
+        let mut held = [0u64; MAX_PARAMS];
         if slots.len() > MAX_PARAMS {
             return Err(format!(
                 "a kernel of at most {MAX_PARAMS} parameters, got {}",
                 slots.len()
             ));
+        }
+        for (slot, &value) in held.iter_mut().zip(&slots) {
+            *slot = value;
         }
         if let Some(bad) = varying.iter().find(|&&i| i >= slots.len()) {
             return Err(format!(
@@ -182,10 +219,11 @@ impl KernelLaunch {
             grid,
             block,
             shared_mem,
-            slots,
+            slots: held,
+            count: slots.len(),
             varying,
             programmatic,
-            primed: false,
+            primed: AtomicBool::new(false),
         })
     }
 
@@ -198,7 +236,7 @@ impl KernelLaunch {
     /// launch) and launches on `stream` (a CUstream handle; 0 the legacy default stream) over
     /// `grid` blocks (None: the launch's own).
     pub fn launch(
-        &mut self,
+        &self,
         stream: usize,
         values: &[u64],
         grid: Option<u32>,
@@ -217,21 +255,20 @@ impl KernelLaunch {
             ));
         }
         let driver = driver()?;
+        let mut slots = self.slots;
         for (&index, &value) in self.varying.iter().zip(values) {
-            if let Some(slot) = self.slots.get_mut(index) {
+            if let Some(slot) = slots.get_mut(index) {
                 *slot = value;
             }
         }
         let mut params = [std::ptr::null_mut::<c_void>(); MAX_PARAMS];
-        for (param, slot) in params.iter_mut().zip(self.slots.iter_mut()) {
+        for (param, slot) in params.iter_mut().zip(slots.iter_mut()).take(self.count) {
             *param = (slot as *mut u64).cast::<c_void>();
         }
         let function = self.function as *mut c_void;
         let stream = stream as *mut c_void;
-        let status = match driver
-            .launch_ex
-            .filter(|_| self.programmatic && self.primed)
-        {
+        let programmatic = self.programmatic && self.primed.load(Ordering::Relaxed);
+        let status = match driver.launch_ex.filter(|_| programmatic) {
             Some(launch_ex) => {
                 let mut attribute = LaunchAttribute {
                     id: PROGRAMMATIC,
@@ -270,10 +307,13 @@ impl KernelLaunch {
                 }
             }
         };
-        self.primed = true;
         if status != 0 {
-            return Err(LaunchError::Driver(status));
+            let name = driver
+                .error_name(status)
+                .unwrap_or_else(|| "unknown".into());
+            return Err(LaunchError::Driver(status, name));
         }
+        self.primed.store(true, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -288,7 +328,7 @@ mod tests {
         assert!(KernelLaunch::new(1, 0, 1, 0, vec![], vec![], false).is_err());
         assert!(KernelLaunch::new(1, 1, 1, 0, vec![0; MAX_PARAMS + 1], vec![], false).is_err());
         assert!(KernelLaunch::new(1, 1, 1, 0, vec![0; 3], vec![3], false).is_err());
-        let mut ok = KernelLaunch::new(1, 1, 1, 0, vec![0; 3], vec![0, 2], false).unwrap();
+        let ok = KernelLaunch::new(1, 1, 1, 0, vec![0; 3], vec![0, 2], false).unwrap();
         assert_eq!(ok.varying(), 2);
         assert!(matches!(
             ok.launch(0, &[1], None),

@@ -504,10 +504,9 @@ fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
     kernels::KERNEL_SOURCES.iter().copied().collect()
 }
 
-/// A prepared kernel launch through the CUDA driver (`cuda_launch`): the Python package's
-/// GEMV fast path calls it with the stream and the addresses that change. The GIL stays held
-/// through the driver's call (a few microseconds), so threads sharing a launch never launch
-/// with each other's values.
+/// A prepared kernel launch through the CUDA driver (`cuda_launch`): the Python package's hot
+/// GPU calls give it the stream and the values that change; the GIL is released around the
+/// driver's call.
 #[cfg(unix)]
 #[pyclass(module = "nybble._core", name = "KernelLaunch")]
 struct KernelLaunch(crate::cuda_launch::KernelLaunch);
@@ -517,7 +516,7 @@ fn launch_error(e: crate::cuda_launch::LaunchError) -> PyErr {
     use crate::cuda_launch::LaunchError;
     match e {
         LaunchError::Arguments(_) => PyValueError::new_err(e.to_string()),
-        LaunchError::Unavailable(_) | LaunchError::Driver(_) => {
+        LaunchError::Unavailable(_) | LaunchError::Driver(..) => {
             pyo3::exceptions::PyRuntimeError::new_err(e.to_string())
         }
     }
@@ -556,7 +555,8 @@ impl KernelLaunch {
     /// on `stream` (a CUstream handle) over `grid` blocks (default: the launch's).
     #[pyo3(signature = (stream, *values, grid=None))]
     fn __call__(
-        &mut self,
+        &self,
+        py: Python<'_>,
         stream: usize,
         values: &Bound<'_, pyo3::types::PyTuple>,
         grid: Option<u32>,
@@ -573,7 +573,9 @@ impl KernelLaunch {
             *slot = value.extract()?;
         }
         let given = raw.get(..values.len()).unwrap_or_default();
-        self.0.launch(stream, given, grid).map_err(launch_error)
+        let launch = &self.0;
+        py.detach(|| launch.launch(stream, given, grid))
+            .map_err(launch_error)
     }
 }
 

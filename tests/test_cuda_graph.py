@@ -102,6 +102,25 @@ def test_gemv_outputs_allocated_in_a_capture_are_the_graphs() -> None:
         del junk
 
 
+def test_a_capture_on_a_reused_stream_handle_takes_no_output_allocated_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA may give a capture's new stream the handle of a stream used before (and since
+    destroyed): an output allocated ahead on that earlier stream must not be taken inside the
+    capture. Simulated by capturing on the very stream the eager calls ran on."""
+    q = nybble.quantize(random((128, 256), "float32", 5, 0.05))
+    x = random((2, 256), "float16", 6)
+    earlier = cp.cuda.Stream(non_blocking=True)
+    with earlier:
+        for _ in range(3):
+            cuda.nf4_matmul(x, q)  # leaves an output allocated ahead for `earlier`
+    earlier.synchronize()
+    monkeypatch.setattr(cp.cuda, "Stream", lambda non_blocking=False: earlier)
+    held: list[Any] = []
+    graph = cuda.capture(lambda: held.append(cuda.nf4_matmul(x, q)), x, warmup=0)
+    assert held[0].data.ptr in {m.ptr for m in graph._allocations}
+
+
 def test_the_cublas_paths_and_dequantize_replay_with_their_temporaries_kept() -> None:
     """More tokens than the GEMV takes and the transposed product dequantize the weight into a
     temporary inside the captured work; the graph keeps it while it lives."""

@@ -156,6 +156,7 @@ def capture(work: Callable[[], object], *buffers: Any, warmup: int = 1) -> Graph
         return memory
 
     stream = cp.cuda.Stream(non_blocking=True)
+    launch.forget_outputs_ahead()  # made for streams before this one, which its handle may match
     with stream, cp.cuda.using_allocator(kept):
         stream.begin_capture()
         try:

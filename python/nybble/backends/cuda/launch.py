@@ -633,21 +633,22 @@ class GemvWeight:
         if x.strides != self._x_strides or at_x % 16 or data.device_id != self.device:
             return None
         if out is None:
-            # y is the output allocated ahead by the previous call on this stream, and this
-            # call allocates the next one once its kernel is queued: the allocation (about
-            # 2 us of host time) then runs beside the kernel instead of before it.
+            # y is the output allocated ahead by the previous call of this thread on this
+            # stream, and this call allocates the next one once its kernel is queued: the
+            # allocation (2-5 us of host time) then runs beside the kernel, not before it.
             stream = self._current_stream()
             at = stream.ptr
+            made_for = (at, _thread_id(), _ahead_generation)
             try:
-                made_on, y = ahead.pop()
+                key, y = ahead.pop()
             except IndexError:
-                made_on = y = None
-            if made_on != at:  # none, or made on another stream: its memory is that stream's
+                key = y = None
+            if key != made_for:  # none, or another stream's memory (dropped, back to its pool)
                 # cp.ndarray is what cp.empty makes, without cp.empty's Python wrapper: 0.3-0.8
                 # us less host time a call (H100 host, a loop of 20000 allocations).
                 y = cp.ndarray(y_shape, x.dtype)
             launch(at, at_x, y.data.ptr)
-            _allocate_ahead(ahead, stream, y_shape, x.dtype)
+            _allocate_ahead(ahead, stream, made_for, y_shape, x.dtype)
             return y
         if type(out) is not cp.ndarray:
             return None
@@ -717,18 +718,39 @@ class GemvWeight:
         return made
 
 
-def _allocate_ahead(ahead: list[Any], stream: Any, shape: tuple[int, int], dtype: Any) -> None:
-    """Allocates the next call's output on `stream`, unless one is waiting or the stream is
-    capturing a graph (whose allocations `cuda.capture` must see made inside it). The list's
-    pop and append are atomic, so threads sharing a weight never take the same output."""
+#: Outputs allocated ahead (GemvWeight.fast) are for the thread, the stream handle and the
+#: generation they were made in: a handle may be reused by a stream made later (a per-thread
+#: default stream has one handle in every thread), and `forget_outputs_ahead` starts a new
+#: generation before a capture, whose stream must own every output it writes.
+_ahead_generation = 0
+_thread_id = threading.get_ident
+
+
+def forget_outputs_ahead() -> None:
+    """No output allocated before this call is handed out after it (`cuda.capture` calls it:
+    a capture's stream may have a handle that an earlier stream had)."""
+    global _ahead_generation
+    _ahead_generation += 1
+
+
+def _allocate_ahead(
+    ahead: list[Any], stream: Any, made_for: tuple[int, int, int], shape: Any, dtype: Any
+) -> None:
+    """Allocates the next call's output on `stream` for `made_for`, unless one is waiting, the
+    stream is capturing a graph (whose allocations `cuda.capture` must see made inside it), or
+    memory has run out (this call's result is already on its way). The list's pop and append
+    are atomic, so threads sharing a weight never take the same output; there is one waiting
+    for each weight and token shape, or one for each thread calling it at once."""
     if ahead:
         return
     try:
         if stream.is_capturing():
             return
-    except Exception:  # cudaErrorStreamCaptureImplicit: another thread's capture; skip it
+        ahead.append((made_for, cp.ndarray(shape, dtype)))
+    except cp.cuda.memory.OutOfMemoryError:
         return
-    ahead.append((stream.ptr, cp.ndarray(shape, dtype)))
+    except cp.cuda.runtime.CUDARuntimeError:  # e.g. another thread's capture (implicit)
+        return
 
 
 class DequantizeWeight:
