@@ -561,20 +561,9 @@ impl KernelLaunch {
         values: &Bound<'_, pyo3::types::PyTuple>,
         grid: Option<u32>,
     ) -> PyResult<()> {
-        let mut raw = [0u64; crate::cuda_launch::MAX_PARAMS];
-        if values.len() != self.0.varying() {
-            return Err(PyValueError::new_err(format!(
-                "a call sets {} values, got {}",
-                self.0.varying(),
-                values.len()
-            )));
-        }
-        for (slot, value) in raw.iter_mut().zip(values.iter()) {
-            *slot = value.extract()?;
-        }
-        let given = raw.get(..values.len()).unwrap_or_default();
+        let given: Vec<u64> = values.extract()?;
         let launch = &self.0;
-        py.detach(|| launch.launch(stream, given, grid))
+        py.detach(|| launch.launch(stream, &given, grid))
             .map_err(launch_error)
     }
 }

@@ -82,9 +82,9 @@ def nf4_matmul(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     when given). Up to GEMV_MAX_TOKENS tokens: the fused GEMV, which reads the 4-bit weight
     once (double-quantized scales as stored); more: the weight dequantized to x's dtype
     (whole, or f32 row tiles) and cuBLAS. Captures into a CUDA graph (see `capture`).
-    Without `out`, a 16-bit GEMV returns the output its previous call on the same stream
-    allocated once its kernel was queued (so the allocation runs beside the kernel): the
-    weight holds one such array, [tokens, out], per token shape."""
+    Without `out`, a 16-bit GEMV returns the output that the same thread's previous call on
+    the same stream allocated once its kernel was queued (so the allocation runs beside the
+    kernel): the weight holds one such array, [tokens, out], per token shape."""
     if type(x) is _ndarray and type(q) is NF4Tensor:  # the decode loop's call: few checks
         y = backend().gemv_fast(x, q.packed, out)
         if y is not None:

@@ -265,7 +265,7 @@ class QuantizeLaunch:
             buckets = module.facts.quant_buckets
             thresholds = table("thresholds", codebook, buckets)
             table_codes = table("codes", codebook, buckets)
-        self._prepared = kernels.PreparedLaunch(
+        prepared = kernels.PreparedLaunch(
             module.function(f"quantize_{codebook}_{SUFFIX[name]}"),
             1,
             module.facts.threads,
@@ -282,7 +282,7 @@ class QuantizeLaunch:
                 thresholds,
             ),
         )
-        self._launch = self._prepared.call_setting(
+        self._launch = prepared.call_setting(
             (self._X, self._N, self._LOG2, self._CODES, self._ABSMAX, self._CHECK, self._FOUND)
         )
         self._current_stream = cp.cuda.get_current_stream
@@ -574,8 +574,8 @@ class GemvWeight:
         self.tiles = -(-rows // facts.tc_rows)
         #: Prepared launches by (token dtype, token count).
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
-        #: The 16-bit ones by (dtype, x's shape), with y's shape and the output allocated
-        #: ahead for the next call (a list of at most a few (stream, array)): what `fast` takes.
+        #: The 16-bit ones by (dtype, x's shape): the core's launch, y's shape and the outputs
+        #: allocated ahead (a list of ((stream, thread, generation), array)): what `fast` takes.
         self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
         self._current_stream = cp.cuda.get_current_stream
         self._x_strides, self._y_strides = (2 * cols, 2), (2 * rows, 2)
