@@ -227,6 +227,11 @@ impl KernelLaunch {
         })
     }
 
+    /// Whether a launch has succeeded, so that the next one is programmatic (if this launch is).
+    pub fn primed(&self) -> bool {
+        self.primed.load(Ordering::Relaxed)
+    }
+
     /// How many values a call sets.
     pub fn varying(&self) -> usize {
         self.varying.len()

@@ -551,6 +551,12 @@ impl KernelLaunch {
         Ok(KernelLaunch(launch))
     }
 
+    /// Whether a launch has succeeded: the later ones are programmatic where this launch is.
+    #[getter]
+    fn primed(&self) -> bool {
+        self.0.primed()
+    }
+
     /// Sets the varying parameters to `values` (addresses or raw 8-byte values) and launches
     /// on `stream` (a CUstream handle) over `grid` blocks (default: the launch's).
     #[pyo3(signature = (stream, *values, grid=None))]

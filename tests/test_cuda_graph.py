@@ -231,6 +231,67 @@ def test_work_that_waits_inside_a_capture_raises_its_own_error() -> None:
     np.testing.assert_array_equal(cp.asnumpy(y), cp.asnumpy(x) * 2)
 
 
+def launched(weight: Any, x: Any) -> bool:
+    """Whether `weight`'s launch for tokens like x (the one its checked and fast paths share:
+    the core's, or else the ctypes one) has launched, so that its next launch is programmatic
+    where the weight's are."""
+    call = weight._fast[(x.dtype, x.shape)][0]
+    made = weight._launches[(x.dtype, x.shape[0])]
+    return bool(getattr(call, "primed", made._primed))
+
+
+def edge_types(graph: Any) -> list[int]:
+    """The dependency type of each edge of a captured graph, from the driver (0: the default,
+    full serialization; 1: programmatic), or a skip where the driver cannot say."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        get_edges = driver.cuGraphGetEdges_v2  # CUDA 12.3+: edges with their data
+    except (OSError, AttributeError):
+        pytest.skip("the driver does not list a graph's edge types")
+    handle = ctypes.c_void_p(graph._graph.graph)
+    count = ctypes.c_size_t(0)
+    assert get_edges(handle, None, None, None, ctypes.byref(count)) == 0
+    n = count.value
+    sources, targets = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+    data = (ctypes.c_uint8 * (8 * n))()  # CUgraphEdgeData: from_port, to_port, type, 5 reserved
+    assert get_edges(handle, sources, targets, data, ctypes.byref(count)) == 0
+    return [data[8 * i + 2] for i in range(count.value)]
+
+
+def test_a_decode_step_warmed_up_eagerly_captures_programmatic_gemvs() -> None:
+    """Each weight's first call takes the checked path (which prepares its launches), the next
+    ones the fast path: both share one launch, so the warm-up primes the launch the capture
+    uses, and on sm_90 the graph's GEMVs follow each other through programmatic edges (each
+    starting under the end of the one before it on replay) rather than full serialization."""
+    from nybble.backends.cuda import backend
+
+    qs = [nybble.quantize(random((512, 256), "float32", s, 0.02)) for s in range(4)]
+    x = random((1, 256), "bfloat16", 9)
+    outs = [cp.empty((1, 512), x.dtype) for _ in qs]
+
+    def step() -> None:
+        for q, y in zip(qs, outs, strict=True):
+            cuda.nf4_matmul(x, q, out=y)
+
+    graph = cuda.capture(step, x, *outs)
+    weights = [backend().gemv_weight(q.packed) for q in qs]
+    assert all(launched(w, x) for w in weights)
+    types = edge_types(graph)
+    assert len(types) == len(qs) - 1  # a chain
+    want = 1 if weights[0].programmatic else 0
+    assert types == [want] * len(types)
+    eager = [cp.empty_like(y) for y in outs]
+    for q, y in zip(qs, eager, strict=True):
+        cuda.nf4_matmul(x, q, out=y)
+    for y in outs:
+        y.fill(0)
+    graph.replay()
+    for got, want_y in zip(outs, eager, strict=True):
+        assert (bits(got) == bits(want_y)).all()
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 def test_programmatic_gemvs_wait_for_the_gemv_before_them(double_quant: bool) -> None:
     """On sm_90 the tensor-core GEMV launches programmatically: it starts under the end of the
@@ -260,8 +321,7 @@ def test_programmatic_gemvs_wait_for_the_gemv_before_them(double_quant: bool) ->
 
     for mode in weights:
         run(mode)
-    (made,) = weights[True]._launches.values()
-    assert made._primed
+    assert launched(weights[True], x0)
     for a, b in zip(chain[False], chain[True], strict=True):
         assert (bits(a) == bits(b)).all()
     graph = cuda.capture(lambda: run(True), x0, *chain[True])

@@ -609,7 +609,14 @@ class GemvWeight:
         if rows == 0:
             return
         if name != "float32":
-            self._launch(name, m)((self._X, x.data.ptr), (self._TC_Y, y.data.ptr))
+            # Through the fast path's launch, so that both paths share one: its first launch is
+            # plain and the later ones programmatic (kernels.PreparedLaunch), so a decode step
+            # warmed up by checked calls captures programmatic launches.
+            found = self._fast.get((x.dtype, shape))
+            if found is None:
+                self._launch(name, m)
+                found = self._fast[(x.dtype, shape)]
+            found[0](self._current_stream().ptr, x.data.ptr, y.data.ptr)
             return
         step = self.module.facts.gemv_tokens
         row_bytes = cols * 4
