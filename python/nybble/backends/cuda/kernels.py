@@ -322,8 +322,10 @@ class PreparedLaunch:
         on the stream (a handle), over `grid` blocks if given: a launch of the Rust core
         (`_core.KernelLaunch`, the driver called with no Python between: 0.9-2.6 us less host
         time a call than this class on H100 hosts) where the driver library loads, else this
-        launch. Either starts plainly the first time (see `__init__`). The caller keeps the
-        arrays of the fixed arguments alive as long as it may call."""
+        launch. Either starts plainly the first time (see `__init__`); the core's launch counts
+        its own first time, apart from this object's, so a caller launches through one of them
+        only (else its captures may take plain launches for programmatic ones). The caller
+        keeps the arrays of the fixed arguments alive as long as it may call."""
         native = getattr(_core, "KernelLaunch", None)  # absent where the OS has no dlopen
         if native is not None:
             slots = [int.from_bytes(bytes(v).ljust(8, b"\0"), "little") for v in self._values]
