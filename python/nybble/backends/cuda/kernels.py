@@ -301,7 +301,6 @@ class PreparedLaunch:
                 if status:
                     raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {status}")
                 return
-            self._primed = True
             self._launch_kernel(
                 self._function,
                 self.grid if grid is None else grid,
@@ -315,6 +314,7 @@ class PreparedLaunch:
                 self._params_address,
                 0,
             )
+            self._primed = True  # once a launch succeeded, as the core's launch counts
 
     def call_setting(self, varying: Sequence[int]) -> Callable[..., None]:
         """This launch as a call `(stream, *values, grid=None)` that sets the arguments at

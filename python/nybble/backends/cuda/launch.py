@@ -519,7 +519,8 @@ def _tokens_ok(a: Any, dtypes: tuple[str, ...], device: int) -> bool:
 class GemvWeight:
     """A 4-bit weight W of `shape` [rows, cols] checked once for the fused GEMV, so that each
     call, `weight(x, y)`: y[m, rows] = x[m, cols] @ W.T for 1 <= m <= GEMV_MAX_TOKENS, only
-    checks its tokens and launches with a prepared argument buffer (kernels.PreparedLaunch).
+    checks its tokens and launches with a prepared argument buffer (kernels.PreparedLaunch,
+    and for 16-bit tokens the launch its call_setting makes).
     Per-call host time matters here: a 1-token GEMV of a 4096 x 4096 weight runs about 9 us on
     an H100, what CuPy's own launch path alone costs.
 
@@ -572,10 +573,12 @@ class GemvWeight:
             d: f"gemv_tc_{SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]
         }
         self.tiles = -(-rows // facts.tc_rows)
-        #: Prepared launches by (token dtype, token count).
+        #: Prepared launches by (token dtype, token count); the 16-bit ones launch only
+        #: through their `_fast` entry's call.
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
-        #: The 16-bit ones by (dtype, x's shape): the core's launch, y's shape and the outputs
-        #: allocated ahead (a list of ((stream, thread, generation), array)): what `fast` takes.
+        #: The 16-bit ones by (dtype, x's shape): the launch both paths call (the core's, or
+        #: else the ctypes one), y's shape and the outputs allocated ahead (a list of ((stream,
+        #: thread, generation), array)): what `fast` takes.
         self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
         self._current_stream = cp.cuda.get_current_stream
         self._x_strides, self._y_strides = (2 * cols, 2), (2 * rows, 2)
@@ -675,7 +678,9 @@ class GemvWeight:
     def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
         """The prepared launch for m tokens of `dtype`: a tensor-core kernel takes m as an
         argument, fixed in its launch (one per count, so that a call sets only addresses);
-        the float32 kernels are one per count of up to GEMV_F32 tokens."""
+        the float32 kernels are one per count of up to GEMV_F32 tokens. A 16-bit one is
+        launched only through the call made from it (its `_fast` entry), whose first launch
+        alone is plain: launching it directly as well would make two first launches."""
         key = (numpy_dtype(dtype), m)
         found = self._launches.get(key)
         if found is not None:
