@@ -800,8 +800,8 @@ class DequantizeWeight:
         #: (kernels.PreparedLaunch.call_setting).
         self._launches: dict[str, Any] = {}
         #: Launches over the whole tensor by output dtype name (calls of the output's address,
-        #: kernels.PreparedLaunch.call_setting), with the dtype.
-        self._whole: dict[str, tuple[Any, Any]] = {}
+        #: kernels.PreparedLaunch.call_setting), with the dtype and the output's bytes.
+        self._whole: dict[str, tuple[Any, Any, int]] = {}
         self._current_stream = cp.cuda.get_current_stream
 
     def _launch(self, name: str, n: int = 0, grid: int = 1) -> kernels.PreparedLaunch:
@@ -853,11 +853,16 @@ class DequantizeWeight:
                 return None
             grid = _grid(self.total, self.module.facts.dequant_per_block(dtype))[0]
             launch = self._launch(dtype, self.total, grid).call_setting((self._OUT,))
-            found = self._whole[dtype] = (launch, numpy_dtype(dtype))
-        launch, np_dtype = found
+            np_dtype = numpy_dtype(dtype)
+            found = self._whole[dtype] = (launch, np_dtype, self.total * np_dtype.itemsize)
+        launch, np_dtype, nbytes = found
         if out is None:
-            out = cp.ndarray(self.shape, np_dtype)  # cp.empty's array (see GemvWeight.fast)
-        elif (
+            # The memory first, launched into, and the array made around it while the kernel
+            # runs (cp.empty's array: see GemvWeight.fast).
+            memory = cp.cuda.alloc(nbytes)
+            launch(self._current_stream().ptr, memory.ptr)
+            return cp.ndarray(self.shape, np_dtype, memory)
+        if (
             type(out) is not cp.ndarray
             or out.dtype != np_dtype
             or out.size != self.total
