@@ -44,6 +44,8 @@ pub mod simd;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(all(feature = "python", unix))]
+mod py_launch;
 
 pub use codebook::Format;
 pub use codec::{dequantize_into, quantize, quantize_into, Quantized};

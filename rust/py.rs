@@ -504,76 +504,6 @@ fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
     kernels::KERNEL_SOURCES.iter().copied().collect()
 }
 
-/// A prepared kernel launch through the CUDA driver (`cuda_launch`): the Python package's hot
-/// GPU calls give it the stream and the values that change; the GIL is released around the
-/// driver's call.
-#[cfg(unix)]
-#[pyclass(module = "nybble._core", name = "KernelLaunch")]
-struct KernelLaunch(crate::cuda_launch::KernelLaunch);
-
-#[cfg(unix)]
-fn launch_error(e: crate::cuda_launch::LaunchError) -> PyErr {
-    use crate::cuda_launch::LaunchError;
-    match e {
-        LaunchError::Arguments(_) => PyValueError::new_err(e.to_string()),
-        LaunchError::Unavailable(_) | LaunchError::Driver(..) => {
-            pyo3::exceptions::PyRuntimeError::new_err(e.to_string())
-        }
-    }
-}
-
-#[cfg(unix)]
-#[pymethods]
-impl KernelLaunch {
-    /// RuntimeError where the driver library cannot be loaded, ValueError for arguments that
-    /// make no launch.
-    #[new]
-    fn new(
-        function: usize,
-        grid: u32,
-        block: u32,
-        shared_mem: u32,
-        slots: Vec<u64>,
-        varying: Vec<usize>,
-        programmatic: bool,
-    ) -> PyResult<Self> {
-        let launch = crate::cuda_launch::KernelLaunch::new(
-            function,
-            grid,
-            block,
-            shared_mem,
-            slots,
-            varying,
-            programmatic,
-        )
-        .map_err(PyValueError::new_err)?;
-        crate::cuda_launch::programmatic_available().map_err(launch_error)?;
-        Ok(KernelLaunch(launch))
-    }
-
-    /// Whether a launch has succeeded: the later ones are programmatic where this launch is.
-    #[getter]
-    fn primed(&self) -> bool {
-        self.0.primed()
-    }
-
-    /// Sets the varying parameters to `values` (addresses or raw 8-byte values) and launches
-    /// on `stream` (a CUstream handle) over `grid` blocks (default: the launch's).
-    #[pyo3(signature = (stream, *values, grid=None))]
-    fn __call__(
-        &self,
-        py: Python<'_>,
-        stream: usize,
-        values: &Bound<'_, pyo3::types::PyTuple>,
-        grid: Option<u32>,
-    ) -> PyResult<()> {
-        let given: Vec<u64> = values.extract()?;
-        let launch = &self.0;
-        py.detach(|| launch.launch(stream, &given, grid))
-            .map_err(launch_error)
-    }
-}
-
 /// The instruction set the kernels use on this CPU ("avx2", "neon" or "scalar").
 #[pyfunction]
 fn simd_level() -> &'static str {
@@ -614,6 +544,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;
     #[cfg(unix)]
-    m.add_class::<KernelLaunch>()?;
+    crate::py_launch::register(m)?;
     Ok(())
 }

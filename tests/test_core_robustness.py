@@ -626,3 +626,48 @@ def test_kernel_launches_without_a_driver_are_runtime_errors() -> None:
         pytest.skip("this machine has the CUDA driver")
     with pytest.raises(RuntimeError, match=r"the CUDA driver is unavailable: .*libcuda"):
         _core.KernelLaunch(1, 1, 32, 0, [0, 0], [0], True)
+
+
+class _Memory:
+    def __init__(self, ptr: int, device_id: int) -> None:
+        self.ptr, self.device_id = ptr, device_id
+
+
+class _Array:
+    """What the core's GEMV call reads of a CuPy array, with any values."""
+
+    def __init__(self, dtype: Any, shape: Any, strides: Any, ptr: int = 0, device: int = 0) -> None:
+        self.dtype, self.shape, self.strides = dtype, shape, strides
+        self.data = _Memory(ptr, device)
+
+
+@pytest.mark.skipif(not hasattr(_core, "GemvCall"), reason="no dlopen on this OS")
+def test_gemv_calls_launch_nothing_they_were_not_prepared_for() -> None:
+    """The core's GEMV call (nybble.cuda.nf4_matmul's first try) returns None, launching
+    nothing, for any call its weight's checked calls did not prepare, whatever the arrays
+    hold: the caller's checked path then takes it. Without a driver nothing is prepared, so
+    here every call is of that kind; the GPU tests cover the prepared ones."""
+    f16, bf16 = np.dtype("float16"), np.dtype(ml_dtypes.bfloat16)
+    streams: list[int] = []
+
+    def current_stream() -> Any:
+        streams.append(1)
+        return _Memory(0, 0)
+
+    call = _core.GemvCall(_Array, current_stream, lambda *a: None, (f16, bf16), 0, 32, 64)
+    out = _Array(f16, (1, 32), (64, 2))
+    shapes: list[Any] = [(1, 64), (8, 64), (0, 64), (9, 64), (-1, 64), (1, 63), (1, 64, 1)]
+    shapes += [(64,), "1x64", None, (1.0, 64), (2**70, 64)]
+    strides: list[Any] = [(128, 2), (-128, 2), (128, 4), None]
+    for dtype in (f16, bf16, np.dtype("float32"), "float16", None):
+        for shape in shapes:
+            for stride in strides:
+                x = _Array(dtype, shape, stride, ptr=2**40)
+                assert call(x) is None
+                assert call(x, out) is None
+                assert call(x, object()) is None
+    assert call(np.zeros((1, 64), f16)) is None  # not the array type it takes
+    assert call(object()) is None
+    assert not streams  # nothing got as far as the stream
+    with pytest.raises(TypeError):
+        call.add(0, 1, object(), [])  # type: ignore[arg-type]

@@ -235,7 +235,7 @@ def launched(weight: Any, x: Any) -> bool:
     """Whether `weight`'s launch for tokens like x (the one its checked and fast paths share:
     the core's, or else the ctypes one) has launched, so that its next launch is programmatic
     where the weight's are."""
-    call = weight._fast[(x.dtype, x.shape)][0]
+    call = weight._fast[(x.dtype, x.shape)]
     made = weight._launches[(x.dtype, x.shape[0])]
     return bool(getattr(call, "primed", made._primed))
 

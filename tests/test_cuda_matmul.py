@@ -268,7 +268,7 @@ def test_the_fast_path_launches_through_the_core_or_ctypes_alike(
     q = nybble.quantize(cp.asarray(weight(160, 256, 70)))
     x = tokens((2, 256), "float16", 71)
     want = cuda.nf4_matmul(x, q)
-    fast = cuda_backend.backend().gemv_weight(q.packed)._fast[(x.dtype, x.shape)][0]
+    fast = cuda_backend.backend().gemv_weight(q.packed)._fast[(x.dtype, x.shape)]
     assert isinstance(fast, native)
     with pytest.raises(ValueError, match="a call sets 2 values, got 1"):
         fast(cp.cuda.get_current_stream().ptr, x.data.ptr)
@@ -276,10 +276,58 @@ def test_the_fast_path_launches_through_the_core_or_ctypes_alike(
     twin = nybble.NF4Tensor(q.codes.copy(), q.absmax.copy(), q.shape)  # prepared anew
     out = cp.empty_like(want)
     got = [cuda.nf4_matmul(x, twin) for _ in range(3)] + [cuda.nf4_matmul(x, twin, out=out)]
-    fast = cuda_backend.backend().gemv_weight(twin.packed)._fast[(x.dtype, x.shape)][0]
+    fast = cuda_backend.backend().gemv_weight(twin.packed)._fast[(x.dtype, x.shape)]
     assert not isinstance(fast, native)
     for y in got:
         np.testing.assert_array_equal(cp.asnumpy(y).view("u2"), cp.asnumpy(want).view("u2"))
+
+
+def test_the_decode_loops_call_takes_only_what_its_checked_calls_prepared() -> None:
+    """`cuda.nf4_matmul`'s first try, the core's GEMV call, launches only for tokens and
+    outputs like those a checked call prepared (bit-identical to it) and returns None, with
+    nothing launched, for any other call; the public call then takes the checked path, which
+    computes it or says what is wrong."""
+    from nybble import _core
+
+    q = nybble.quantize(cp.asarray(weight(96, 128, 80)))
+    x = tokens((2, 128), "bfloat16", 81)
+    want = cp.asnumpy(cuda.nf4_matmul(x, q)).view("u2")  # a checked call: prepares
+    gemv = cuda_backend.backend().gemv_weight(q.packed)
+    if gemv.fast is None:
+        pytest.skip("the core launches nothing on this OS")
+    out = cp.empty((2, 96), x.dtype)
+    assert gemv.fast(x, out) is out
+    made = [gemv.fast(x) for _ in range(3)]
+    assert len({y.data.ptr for y in made}) == 3
+    for y in [out, *made]:
+        np.testing.assert_array_equal(cp.asnumpy(y).view("u2"), want)
+    wide = cp.zeros((2, 256), x.dtype)
+    wide[:, :128] = x
+    shifted = cp.empty(2 * 128 + 1, x.dtype)[1:].reshape(2, 128)  # 2 bytes past 16
+    shifted[...] = x
+    unprepared = [x.astype(cp.float16), x[:1], x.astype(cp.float32), x.reshape(1, 2, 128)]
+    odd = [wide[:, :128], shifted]
+    for bad in [*unprepared, *odd, cp.asnumpy(x), x.T.copy().T]:
+        assert gemv.fast(bad) is None
+        assert gemv.fast(bad, out) is None
+    for taken in odd:  # the checked path computes what the fast one refused
+        np.testing.assert_array_equal(cp.asnumpy(cuda.nf4_matmul(taken, q)).view("u2"), want)
+    shifted_out = cp.empty(2 * 96 + 1, x.dtype)[1:].reshape(2, 96)
+    assert gemv.fast(x, shifted_out) is None
+    assert cuda.nf4_matmul(x, q, out=shifted_out) is shifted_out
+    np.testing.assert_array_equal(cp.asnumpy(shifted_out).view("u2"), want)
+    wide_out = cp.empty((2, 192), x.dtype)[:, :96]
+    wrongs = [wide_out, cp.empty((2, 96), cp.float16), cp.empty((1, 96), x.dtype)]
+    for wrong in [*wrongs, cp.empty(192, x.dtype)]:
+        assert gemv.fast(x, wrong) is None
+        with pytest.raises(ValueError, match="out"):
+            cuda.nf4_matmul(x, q, out=wrong)
+    assert gemv.fast(x, np.empty((2, 96), np.float32)) is None
+    launch = gemv._fast[(x.dtype, x.shape)]
+    assert isinstance(launch, _core.KernelLaunch)
+    for which, m in [(2, 1), (0, 0), (0, cuda.GEMV_MAX_TOKENS + 1)]:
+        with pytest.raises(ValueError, match="dtype index below 2 and 1 <= m <= 8"):
+            gemv.fast.add(which, m, launch, [])
 
 
 # --- nf4_matmul / nf4_matmul_t -------------------------------------------------------------

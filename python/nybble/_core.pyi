@@ -1,6 +1,7 @@
-"""Type stubs of the Rust extension module (rust/py.rs)."""
+"""Type stubs of the Rust extension module (rust/py.rs, rust/py_launch.rs)."""
 
-from typing import final
+from collections.abc import Callable
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -12,6 +13,7 @@ __all__ = [
     "MAX_BLOCKSIZE",
     "MIN_BLOCKSIZE",
     "NESTED_BLOCKSIZE",
+    "GemvCall",
     "KernelLaunch",
     "_panic",
     "code_bits",
@@ -111,3 +113,22 @@ class KernelLaunch:
     @property
     def primed(self) -> bool: ...
     def __call__(self, stream: int, *values: int, grid: int | None = None) -> None: ...
+
+@final
+class GemvCall:
+    """The fused GEMV's call for one weight, checks and launch in the core (unix only)."""
+
+    def __new__(
+        cls,
+        array_type: type,
+        current_stream: Callable[[], Any],
+        allocate_ahead: Callable[..., None],
+        dtypes: tuple[Any, Any],
+        device: int,
+        rows: int,
+        cols: int,
+    ) -> Self: ...
+    def add(self, which: int, m: int, launch: KernelLaunch, ahead: list[Any]) -> None: ...
+    @staticmethod
+    def forget_outputs_ahead() -> None: ...
+    def __call__(self, x: Any, out: Any = None) -> Any: ...

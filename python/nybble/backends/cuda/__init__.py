@@ -97,7 +97,7 @@ class CudaBackend:
             if found is not None:
                 return found
         if out is None:
-            out = cp.ndarray(q.shape, numpy_dtype(dtype))  # see launch.GemvWeight.fast
+            out = cp.ndarray(q.shape, numpy_dtype(dtype))  # see launch._allocate_ahead
         elif (
             type(out) is not cp.ndarray
             or dtype_name(out.dtype) != dtype
@@ -197,12 +197,18 @@ class CudaBackend:
             _check_out(out, shape, x.dtype)
         beta = 1.0 if accumulate and out is not None else 0.0
         if transpose and 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
-            y = cp.ndarray(shape, x.dtype) if out is None or beta else out
+            # The kernel writes 16 bytes at a time: an `out` off that grain, or one to add to,
+            # takes the product from an output of its own.
+            direct = out is not None and not beta and out.data.ptr % 16 == 0
+            y = out if direct else cp.ndarray(shape, x.dtype)
             self.gemv_weight(w)(ready(x), y)
-            if out is not None and y is not out:
+            if out is None or y is out:
+                return y
+            if beta:
                 out += y
-                return out
-            return y
+            else:
+                out[...] = y
+            return out
         y = out if out is not None else cp.empty(shape, x.dtype)
         tiles = row_tiles(w, dtype)
         whole = len(tiles) == 1  # no views to make (each costs the host a few microseconds)
@@ -227,7 +233,8 @@ class CudaBackend:
         checked call; None when the call is not of its kind."""
         prepared = self._prepared.get(id(w))
         gemv = None if prepared is None else prepared._gemv
-        return None if gemv is None else gemv.fast(x, out)
+        fast = None if gemv is None else gemv.fast
+        return None if fast is None else fast(x, out)
 
     def gemv_weight(self, w: Packed) -> launch.GemvWeight:
         """What the fused GEMV prepared for `w` (checks, launch arguments)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import formats
+from ... import _core, formats
 from ...errors import NonFiniteError
 from ...formats import (
     NESTED_BLOCKSIZE,
@@ -233,7 +233,7 @@ def quantize(
     log2_bs = log2_blocksize(blocksize)
     check_array(x, "x", DTYPES)
     n = x.size
-    codes = cp.ndarray(formats.code_bytes(n, codebook), cp.uint8)  # see GemvWeight.fast
+    codes = cp.ndarray(formats.code_bytes(n, codebook), cp.uint8)  # see _allocate_ahead
     absmax = cp.ndarray(-(-n // blocksize), cp.float32)
     if n == 0:
         return codes, absmax
@@ -574,14 +574,28 @@ class GemvWeight:
         }
         self.tiles = -(-rows // facts.tc_rows)
         #: Prepared launches by (token dtype, token count); the 16-bit ones launch only
-        #: through their `_fast` entry's call.
+        #: through their `_fast` entry.
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
-        #: The 16-bit ones by (dtype, x's shape): the launch both paths call (the core's, or
-        #: else the ctypes one), y's shape and the outputs allocated ahead (a list of ((stream,
-        #: thread, generation), array)): what `fast` takes.
+        #: The 16-bit ones by (dtype, x's shape): the launch the checked call makes (the
+        #: core's, or else the ctypes one), which `fast` makes too where it is the core's.
         self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
         self._current_stream = cp.cuda.get_current_stream
-        self._x_strides, self._y_strides = (2 * cols, 2), (2 * rows, 2)
+        #: The decode loop's call, `fast(x, out)` (the core's `GemvCall`): the checks that keep
+        #: it safe and the launch, with no Python between, for the 16-bit launches the checked
+        #: calls prepared through the core; it returns None for any other call (the checked
+        #: path then takes it, and says what is wrong). None where the core launches nothing:
+        #: every call is then checked.
+        self.fast: Any = None
+        if hasattr(_core, "GemvCall"):
+            self.fast = _core.GemvCall(
+                cp.ndarray,
+                cp.cuda.get_current_stream,
+                _allocate_ahead,
+                (numpy_dtype(_TOKENS_16[0]), numpy_dtype(_TOKENS_16[1])),
+                self.device,
+                rows,
+                cols,
+            )
 
     def tc_blocks(self, kernel: Any) -> int:
         """Blocks to launch of a tensor-core GEMV kernel: as many as the GPU holds at once, at
@@ -619,7 +633,7 @@ class GemvWeight:
             if found is None:
                 self._launch(name, m)
                 found = self._fast[(x.dtype, shape)]
-            found[0](self._current_stream().ptr, x.data.ptr, y.data.ptr)
+            found(self._current_stream().ptr, x.data.ptr, y.data.ptr)
             return
         step = self.module.facts.gemv_tokens
         row_bytes = cols * 4
@@ -627,53 +641,6 @@ class GemvWeight:
             self._launch(name, min(step, m - t))(
                 (self._X, x.data.ptr + t * row_bytes), (self._F32_Y, y.data.ptr + t * rows * 4)
             )
-
-    def fast(self, x: Any, out: Any) -> Any:
-        """The decode loop's call made with the fewest checks that keep it safe: a 2-D
-        C-contiguous, 16-byte aligned 16-bit x on the weight's device, 1 <= m <= 8, and `out`
-        None or of the same kind. Returns y, or None when the call is not of that kind (the
-        checked path then takes it, and says what is wrong)."""
-        # Keyed on (dtype, shape): only 16-bit launches of x [m, cols] made by a checked call.
-        found = self._fast.get((x.dtype, x.shape))
-        if found is None:
-            return None
-        launch, y_shape, ahead = found
-        data = x.data
-        at_x = data.ptr
-        if x.strides != self._x_strides or at_x % 16 or data.device_id != self.device:
-            return None
-        if out is None:
-            # y is the output allocated ahead by the previous call of this thread on this
-            # stream, and this call allocates the next one once its kernel is queued: the
-            # allocation (2-5 us of host time) then runs beside the kernel, not before it.
-            stream = self._current_stream()
-            at = stream.ptr
-            made_for = (at, _thread_id(), _ahead_generation)
-            try:
-                key, y = ahead.pop()
-            except IndexError:
-                key = y = None
-            if key != made_for:  # none, or another stream's memory (dropped, back to its pool)
-                # cp.ndarray is what cp.empty makes, without cp.empty's Python wrapper: 0.3-0.8
-                # us less host time a call (H100 host, a loop of 20000 allocations).
-                y = cp.ndarray(y_shape, x.dtype)
-            launch(at, at_x, y.data.ptr)
-            _allocate_ahead(ahead, stream, made_for, y_shape, x.dtype)
-            return y
-        if type(out) is not cp.ndarray:
-            return None
-        into = out.data
-        at_y = into.ptr
-        if (
-            out.dtype != x.dtype
-            or out.shape != y_shape
-            or out.strides != self._y_strides
-            or at_y % 16
-            or into.device_id != self.device
-        ):
-            return None
-        launch(self._current_stream().ptr, at_x, at_y)
-        return out
 
     def _launch(self, dtype: str, m: int) -> kernels.PreparedLaunch:
         """The prepared launch for m tokens of `dtype`: a tensor-core kernel takes m as an
@@ -721,28 +688,27 @@ class GemvWeight:
                 self.smem,
                 programmatic=self.programmatic,
             )
-            self._fast[(key[0], (m, self.cols))] = (
-                made.call_setting((self._X, self._TC_Y)),
-                (m, self.rows),
-                [],
-            )
+            call = made.call_setting((self._X, self._TC_Y))
+            self._fast[(key[0], (m, self.cols))] = call
+            native = getattr(_core, "KernelLaunch", None)  # else call is the ctypes launch
+            if self.fast is not None and native is not None and isinstance(call, native):
+                ahead: list[Any] = []  # ((stream, thread, generation), output) of later calls
+                self.fast.add(_TOKENS_16.index(dtype), m, call, ahead)
         self._launches[key] = made
         return made
 
 
-#: Outputs allocated ahead (GemvWeight.fast) are for the thread, the stream handle and the
-#: generation they were made in: a handle may be reused by a stream made later (a per-thread
-#: default stream has one handle in every thread), and `forget_outputs_ahead` starts a new
-#: generation before a capture, whose stream must own every output it writes.
-_ahead_generation = 0
-_thread_id = threading.get_ident
+#: The 16-bit token dtypes of the tensor-core GEMV, in the order `_core.GemvCall` takes them.
+_TOKENS_16 = ("float16", "bfloat16")
 
 
 def forget_outputs_ahead() -> None:
-    """No output allocated before this call is handed out after it (`cuda.capture` calls it:
-    a capture's stream may have a handle that an earlier stream had)."""
-    global _ahead_generation
-    _ahead_generation += 1
+    """No output allocated ahead before this call (GemvWeight.fast) is handed out after it
+    (`cuda.capture` calls it: a capture's stream may have a handle that an earlier stream had,
+    and must own every output it writes). Outputs are for the thread, the stream handle and
+    the generation they were made in; this starts a new generation."""
+    if hasattr(_core, "GemvCall"):
+        _core.GemvCall.forget_outputs_ahead()
 
 
 def _allocate_ahead(
@@ -750,14 +716,17 @@ def _allocate_ahead(
 ) -> None:
     """Allocates the next call's output on `stream` for `made_for`, unless one is waiting, the
     stream is capturing a graph (whose allocations `cuda.capture` must see made inside it), or
-    memory has run out (this call's result is already on its way). The list's pop and append
-    are atomic, so threads sharing a weight never take the same output; there is one waiting
-    for each weight and token shape, or one for each thread calling it at once."""
+    memory has run out (this call's result is already on its way). A call takes its output
+    off the list and this appends under the GIL, so threads sharing a weight never take the
+    same output; there is one waiting for each weight and token shape, or one for each thread
+    calling it at once."""
     if ahead:
         return
     try:
         if stream.is_capturing():
             return
+        # cp.ndarray is what cp.empty makes, without cp.empty's Python wrapper: 0.3-0.8 us
+        # less host time a call (H100 host, a loop of 20000 allocations).
         ahead.append((made_for, cp.ndarray(shape, dtype)))
     except cp.cuda.memory.OutOfMemoryError:
         return
@@ -858,7 +827,7 @@ class DequantizeWeight:
         launch, np_dtype, nbytes = found
         if out is None:
             # The memory first, launched into, and the array made around it while the kernel
-            # runs (cp.empty's array: see GemvWeight.fast).
+            # runs (cp.empty's array: see _allocate_ahead).
             memory = cp.cuda.alloc(nbytes)
             launch(self._current_stream().ptr, memory.ptr)
             return cp.ndarray(self.shape, np_dtype, memory)
