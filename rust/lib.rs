@@ -1,12 +1,13 @@
 //! nybble's core: NF4 (and FP4, int8) blockwise quantization with SIMD kernels, the block
 //! layouts, double quantization, and LoRA/QLoRA layer math. Pure Rust; the Python binding
-//! lives in `py` and is compiled only with the `python` feature.
+//! lives in `py` (and `py_launch`, the kernel launches' binding) and is compiled only with the
+//! `python` feature.
 //!
 //! Nothing reachable from Python may panic (PyO3 would turn it into a `PanicException`) or
 //! abort. Outside tests, clippy holds the crate to that (`cargo clippy -- -D warnings` in CI):
 //! no `unwrap`/`expect`/`panic!`/`unreachable!`/`todo!`/`unimplemented!`; no indexing or
 //! slicing that can fail, and no arithmetic that can overflow, in the modules that handle
-//! sizes coming from Python (`py`, `layout`, `linalg`, `qmatmul`, `lora`, `codec`,
+//! sizes coming from Python (`py`, `py_launch`, `layout`, `linalg`, `qmatmul`, `lora`, `codec`,
 //! `double_quant`, `buffer`): they use `get`, iterators and checked arithmetic. The kernels
 //! (`simd`, `codebook`) index and compute offsets freely: their callers have checked that
 //! every slice has the length its element count needs and that the blocksize is a power of

@@ -203,8 +203,8 @@ impl GemvCall {
                     "expected a dtype index below 2 and 1 <= m <= {MAX_TOKENS}, got {which} and {m}"
                 ))
             })?;
-        // A second registration (another thread's, at once) is the same launch's twin: the
-        // first one stays, so all calls share one launch and its first-launch state.
+        // A second registration (a twin prepared by another thread at once, of the same
+        // kernel and arguments) changes nothing: the first one stays.
         let _ = slot.set(Entry { launch, ahead });
         Ok(())
     }

@@ -314,14 +314,17 @@ def test_the_decode_loops_call_takes_only_what_its_checked_calls_prepared() -> N
         np.testing.assert_array_equal(cp.asnumpy(cuda.nf4_matmul(taken, q)).view("u2"), want)
     shifted_out = cp.empty(2 * 96 + 1, x.dtype)[1:].reshape(2, 96)
     assert gemv.fast(x, shifted_out) is None
-    assert cuda.nf4_matmul(x, q, out=shifted_out) is shifted_out
-    np.testing.assert_array_equal(cp.asnumpy(shifted_out).view("u2"), want)
+    for call in (cuda.nf4_matmul, cuda.nf4_gemv):  # the product copied into it
+        shifted_out.fill(0)
+        assert call(x, q, out=shifted_out) is shifted_out
+        np.testing.assert_array_equal(cp.asnumpy(shifted_out).view("u2"), want)
     wide_out = cp.empty((2, 192), x.dtype)[:, :96]
     wrongs = [wide_out, cp.empty((2, 96), cp.float16), cp.empty((1, 96), x.dtype)]
     for wrong in [*wrongs, cp.empty(192, x.dtype)]:
         assert gemv.fast(x, wrong) is None
-        with pytest.raises(ValueError, match="out"):
-            cuda.nf4_matmul(x, q, out=wrong)
+        for call in (cuda.nf4_matmul, cuda.nf4_gemv):
+            with pytest.raises(ValueError, match=r"^out: expected"):
+                call(x, q, out=wrong)
     assert gemv.fast(x, np.empty((2, 96), np.float32)) is None
     launch = gemv._fast[(x.dtype, x.shape)]
     assert isinstance(launch, _core.KernelLaunch)

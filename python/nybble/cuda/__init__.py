@@ -102,10 +102,7 @@ def nf4_gemv(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     dequantize(q).T summed in float32, returned in x's dtype (or in `out`)."""
     w = _weight(q)
     x2, lead = _tokens(x, q, 1, "x")
-    y2 = _out_2d(out, lead, q.shape[0])
-    if y2 is None:
-        y2 = backend().xp.empty((x2.shape[0], q.shape[0]), x2.dtype)
-    backend().gemv_weight(w)(ready(x2), y2)
+    y2 = backend().gemv(x2, w, _out_2d(out, lead, q.shape[0]))
     return out if out is not None else y2.reshape(*lead, q.shape[0])
 
 

@@ -192,23 +192,12 @@ class CudaBackend:
         rows, cols = _matrix_shape(w)
         dtype = output_dtype(x.dtype)
         m = x.shape[0]
+        if transpose and 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
+            return self.gemv(x, w, out, accumulate)
         shape = (m, rows if transpose else cols)
         if out is not None:
             _check_out(out, shape, x.dtype)
         beta = 1.0 if accumulate and out is not None else 0.0
-        if transpose and 0 < m <= GEMV_MAX_TOKENS and launch.gemv_supported(w.codebook, w.shape):
-            # The kernel writes 16 bytes at a time: an `out` off that grain, or one to add to,
-            # takes the product from an output of its own.
-            direct = out is not None and not beta and out.data.ptr % 16 == 0
-            y = out if direct else cp.ndarray(shape, x.dtype)
-            self.gemv_weight(w)(ready(x), y)
-            if out is None or y is out:
-                return y
-            if beta:
-                out += y
-            else:
-                out[...] = y
-            return out
         y = out if out is not None else cp.empty(shape, x.dtype)
         tiles = row_tiles(w, dtype)
         whole = len(tiles) == 1  # no views to make (each costs the host a few microseconds)
@@ -226,6 +215,25 @@ class CudaBackend:
         cols = w.shape[1]
         out = cp.empty((r1 - r0, cols), numpy_dtype(dtype))
         self.dequantize_into(w, r0 * cols, out)
+        return out
+
+    def gemv(self, x: Any, w: Packed, out: Any = None, accumulate: bool = False) -> Any:
+        """x [m, cols] @ W.T by the fused GEMV (see launch.GemvWeight for what it takes), in
+        `out` when given (or added to it with `accumulate`)."""
+        shape = (x.shape[0], _matrix_shape(w)[0])
+        if out is not None:
+            _check_out(out, shape, x.dtype)
+        # The kernel writes 16 bytes at a time: an `out` off that grain, or one to add to,
+        # takes the product from an output of its own.
+        direct = out is not None and not accumulate and out.data.ptr % 16 == 0
+        y = out if direct else cp.ndarray(shape, x.dtype)
+        self.gemv_weight(w)(ready(x), y)
+        if out is None or y is out:
+            return y
+        if accumulate:
+            out += y
+        else:
+            out[...] = y
         return out
 
     def gemv_fast(self, x: Any, w: Packed, out: Any) -> Any:
