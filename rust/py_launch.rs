@@ -114,6 +114,8 @@ struct Entry {
 /// launches its checked calls prepared, by token dtype and count. See the module's comment.
 #[pyclass(module = "nybble._core", name = "GemvCall", frozen)]
 pub struct GemvCall {
+    /// What the launches' arguments point at (the weight's arrays), held alive with this call.
+    _keep: Py<PyAny>,
     array_type: Py<PyType>,
     current_stream: Py<PyAny>,
     allocate_ahead: Py<PyAny>,
@@ -159,13 +161,15 @@ impl GemvCall {
 
 #[pymethods]
 impl GemvCall {
-    /// A weight's GEMV call over `rows` x `cols` on `device`: `array_type` is the array class
-    /// taken (cupy.ndarray), `current_stream` returns the stream to launch on (an object with
-    /// `ptr` and `is_capturing()`), `allocate_ahead(ahead, stream, made_for, shape, dtype)`
-    /// allocates the next call's output after a launch, `dtypes` are the two 16-bit token
-    /// dtypes.
+    /// A weight's GEMV call over `rows` x `cols` on `device`: `keep` holds what its launches
+    /// point at (the weight's arrays), `array_type` is the array class taken (cupy.ndarray),
+    /// `current_stream` returns the stream to launch on (an object with `ptr` and
+    /// `is_capturing()`), `allocate_ahead(ahead, stream, made_for, shape, dtype)` allocates the
+    /// next call's output after a launch, `dtypes` are the two 16-bit token dtypes.
     #[new]
+    #[allow(clippy::too_many_arguments)] // one per fact the call checks against
     fn new(
+        keep: Py<PyAny>,
         array_type: Py<PyType>,
         current_stream: Py<PyAny>,
         allocate_ahead: Py<PyAny>,
@@ -175,6 +179,7 @@ impl GemvCall {
         cols: usize,
     ) -> Self {
         GemvCall {
+            _keep: keep,
             array_type,
             current_stream,
             allocate_ahead,

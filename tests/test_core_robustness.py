@@ -654,7 +654,7 @@ def test_gemv_calls_launch_nothing_they_were_not_prepared_for() -> None:
         streams.append(1)
         return _Memory(0, 0)
 
-    call = _core.GemvCall(_Array, current_stream, lambda *a: None, (f16, bf16), 0, 32, 64)
+    call = _core.GemvCall((), _Array, current_stream, lambda *a: None, (f16, bf16), 0, 32, 64)
     out = _Array(f16, (1, 32), (64, 2))
     shapes: list[Any] = [(1, 64), (8, 64), (0, 64), (9, 64), (-1, 64), (1, 63), (1, 64, 1)]
     shapes += [(64,), "1x64", None, (1.0, 64), (2**70, 64)]

@@ -295,6 +295,7 @@ def test_the_decode_loops_call_takes_only_what_its_checked_calls_prepared() -> N
     gemv = cuda_backend.backend().gemv_weight(q.packed)
     if gemv.fast is None:
         pytest.skip("the core launches nothing on this OS")
+    assert q._gemv_call is gemv.fast  # what the next nf4_matmul tries first
     out = cp.empty((2, 96), x.dtype)
     assert gemv.fast(x, out) is out
     made = [gemv.fast(x) for _ in range(3)]

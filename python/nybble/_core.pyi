@@ -120,6 +120,7 @@ class GemvCall:
 
     def __new__(
         cls,
+        keep: Any,
         array_type: type,
         current_stream: Callable[[], Any],
         allocate_ahead: Callable[..., None],

@@ -78,6 +78,9 @@ class NF4Tensor:
     def _init(self, packed: Packed, orig_dtype: OutputDtype) -> None:
         self._packed = packed
         self._backend = backends.of(packed.codes)
+        #: The fused GEMV's per-token call on the GPU (nybble.cuda.nf4_matmul's first try),
+        #: set by that function once a checked call prepared it; it holds what it launches on.
+        self._gemv_call: Any = None
         #: The dtype of the tensor that was quantized (bitsandbytes records it as `dtype`).
         self.orig_dtype: OutputDtype = orig_dtype
 

@@ -86,12 +86,16 @@ def nf4_matmul(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     the same stream allocated once its kernel was queued (so the allocation runs beside the
     kernel): the weight holds one such array, [tokens, out], per token shape."""
     if type(x) is _ndarray and type(q) is NF4Tensor:  # the decode loop's call: few checks
-        y = backend().gemv_fast(x, q.packed, out)
-        if y is not None:
-            return y
+        fast = q._gemv_call
+        if fast is not None:
+            y = fast(x, out)
+            if y is not None:
+                return y
     w = _weight(q)
     x2, lead = _tokens(x, q, 1, "x")
     y = backend().quantized_matmul(x2, w, out=_out_2d(out, lead, q.shape[0]))
+    if q._gemv_call is None:
+        q._gemv_call = backend().gemv_call(w)
     if out is not None:
         return out
     return y if len(lead) == 1 else y.reshape(*lead, q.shape[0])

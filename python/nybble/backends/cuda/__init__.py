@@ -236,13 +236,12 @@ class CudaBackend:
             out[...] = y
         return out
 
-    def gemv_fast(self, x: Any, w: Packed, out: Any) -> Any:
-        """The fused GEMV's fast path (GemvWeight.fast) for a weight already prepared by a
-        checked call; None when the call is not of its kind."""
+    def gemv_call(self, w: Packed) -> Any:
+        """The fused GEMV's per-token call for `w` (launch.GemvWeight.fast) once a checked
+        call prepared it and it is kept (see `prepared`), else None."""
         prepared = self._prepared.get(id(w))
         gemv = None if prepared is None else prepared._gemv
-        fast = None if gemv is None else gemv.fast
-        return None if fast is None else fast(x, out)
+        return None if gemv is None else gemv.fast
 
     def gemv_weight(self, w: Packed) -> launch.GemvWeight:
         """What the fused GEMV prepared for `w` (checks, launch arguments)."""

@@ -588,6 +588,7 @@ class GemvWeight:
         self.fast: Any = None
         if hasattr(_core, "GemvCall"):
             self.fast = _core.GemvCall(
+                (codes, self.scales, self.values),  # what its launches point at
                 cp.ndarray,
                 cp.cuda.get_current_stream,
                 _allocate_ahead,
