@@ -331,6 +331,14 @@ def test_dequantize_after_the_first_call_checks_out_as_the_first_did(codebook: s
             np.testing.assert_array_equal(bits(out), bits(want[dtype]))
             flat = cp.empty(96 * 128, want[dtype].dtype)  # any shape of the same size
             assert q.dequantize(dtype, flat) is flat
+            # the tensor keeps the path it takes first; dtypes given otherwise than by name
+            # take the checked one
+            assert q._dequantize_call is not None
+            by_type = q.dequantize(want[dtype].dtype)
+            np.testing.assert_array_equal(bits(by_type), bits(want[dtype]))
+    for name in ("int8", "float64", "bf16"):
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            q.dequantize(name)
     bad_outs = [
         cp.empty((96, 128), cp.float16),  # another dtype than asked for
         cp.empty((96, 127), cp.float32),

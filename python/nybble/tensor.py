@@ -78,9 +78,11 @@ class NF4Tensor:
     def _init(self, packed: Packed, orig_dtype: OutputDtype) -> None:
         self._packed = packed
         self._backend = backends.of(packed.codes)
-        #: The fused GEMV's per-token call on the GPU (nybble.cuda.nf4_matmul's first try),
-        #: set by that function once a checked call prepared it; it holds what it launches on.
+        #: The GPU's per-call paths for this tensor, each set once a checked call prepared it
+        #: (each holds what it launches on): the fused GEMV's per-token call, nybble.cuda.
+        #: nf4_matmul's first try; the whole tensor's dequantize, `dequantize`'s first try.
         self._gemv_call: Any = None
+        self._dequantize_call: Any = None
         #: The dtype of the tensor that was quantized (bitsandbytes records it as `dtype`).
         self.orig_dtype: OutputDtype = orig_dtype
 
@@ -165,7 +167,15 @@ class NF4Tensor:
         """`value(code) * absmax` in float32, rounded (nearest-even) to float32/float16/bfloat16;
         an array of this tensor's shape on its device (or `out`, a C-contiguous array of its
         size and `dtype` on its device, filled and returned)."""
-        return self._backend.dequantize(self._packed, formats.output_dtype(dtype), out)
+        quick = self._dequantize_call
+        if quick is not None and type(dtype) is str:
+            found = quick(dtype, out)
+            if found is not None:
+                return found
+        result = self._backend.dequantize(self._packed, formats.output_dtype(dtype), out)
+        if quick is None:
+            self._dequantize_call = self._backend.dequantize_call(self._packed)
+        return result
 
     def to_blocks(self) -> np.ndarray:
         """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes;

@@ -12,6 +12,7 @@ never ask which device they are on. docs/architecture.md shows the data flow.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -88,6 +89,11 @@ class Backend(Protocol):
     def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
         """`value(code) * absmax` in float32, rounded to `dtype`, shaped like q (into `out`
         when given: an array of q's size and `dtype`, C-contiguous)."""
+        ...
+
+    def dequantize_call(self, q: Packed) -> Callable[[str, Any], Any] | None:
+        """A quicker `dequantize` of all of q for later calls, `call(dtype_name, out)`, which
+        returns None for a call it does not take; None where the backend has none (yet)."""
         ...
 
     def double_quantize(self, absmax: Any) -> NestedAbsmax: ...

@@ -236,6 +236,10 @@ class CudaBackend:
             out[...] = y
         return out
 
+    def dequantize_call(self, q: Packed) -> Any:
+        prepared = self._prepared.get(id(q))
+        return None if prepared is None else prepared.dequantize.whole
+
     def gemv_call(self, w: Packed) -> Any:
         """The fused GEMV's per-token call for `w` (launch.GemvWeight.fast) once a checked
         call prepared it and it is kept (see `prepared`), else None."""
