@@ -36,9 +36,16 @@ fn launch_error(e: LaunchError) -> PyErr {
 }
 
 impl KernelLaunch {
-    fn call(&self, py: Python<'_>, stream: usize, values: &[u64]) -> PyResult<()> {
+    /// Launches with the GIL released around the driver's call.
+    fn call(
+        &self,
+        py: Python<'_>,
+        stream: usize,
+        values: &[u64],
+        grid: Option<u32>,
+    ) -> PyResult<()> {
         let launch = &self.0;
-        py.detach(|| launch.launch(stream, values, None))
+        py.detach(|| launch.launch(stream, values, grid))
             .map_err(launch_error)
     }
 }
@@ -88,9 +95,7 @@ impl KernelLaunch {
         grid: Option<u32>,
     ) -> PyResult<()> {
         let given: Vec<u64> = values.extract()?;
-        let launch = &self.0;
-        py.detach(|| launch.launch(stream, &given, grid))
-            .map_err(launch_error)
+        self.call(py, stream, &given, grid)
     }
 }
 
@@ -273,7 +278,7 @@ impl GemvCall {
             }) else {
                 return Ok(None);
             };
-            launch.call(py, at_stream, &[at_x, at_y])?;
+            launch.call(py, at_stream, &[at_x, at_y], None)?;
             return Ok(Some(out.clone()));
         }
         // SAFETY: PyThread_get_thread_ident only reads the calling thread's identity (what
@@ -305,7 +310,7 @@ impl GemvCall {
             .getattr(intern!(py, "data"))?
             .getattr(intern!(py, "ptr"))?
             .extract()?;
-        launch.call(py, at_stream, &[at_x, at_y])?;
+        launch.call(py, at_stream, &[at_x, at_y], None)?;
         self.allocate_ahead
             .bind(py)
             .call1((ahead, stream, made_for, shape, dtype))?;

@@ -34,6 +34,8 @@ except ImportError:  # importable without CuPy (the CI compile check reads kerne
 
 #: Element dtypes the kernels read and write.
 DTYPES = OUTPUT_DTYPES
+#: The 16-bit token dtypes of the tensor-core GEMV, in the order `_core.GemvCall` takes them.
+_TOKENS_16 = ("float16", "bfloat16")
 LAYOUTS = ("split", "blocks36", "high_first")
 QUANT_FORMATS: tuple[KernelCodebook, ...] = ("nf4", "fp4", "int8", "dynamic8")
 #: Element offsets a dequantize may start at: a store's 16 bytes of output share one scale.
@@ -570,7 +572,7 @@ class GemvWeight:
         # The tensor-core kernels by token dtype; their _dq variants decode nested scales.
         dq = "" if nested is None else "_dq"
         self.tc_names: dict[str, str] = {
-            d: f"gemv_tc_{SUFFIX[d]}_g{self.group}{dq}" for d in DTYPES[1:]
+            d: f"gemv_tc_{SUFFIX[d]}_g{self.group}{dq}" for d in _TOKENS_16
         }
         self.tiles = -(-rows // facts.tc_rows)
         #: Prepared launches by (token dtype, token count); the 16-bit ones launch only
@@ -697,10 +699,6 @@ class GemvWeight:
                 self.fast.add(_TOKENS_16.index(dtype), m, call, ahead)
         self._launches[key] = made
         return made
-
-
-#: The 16-bit token dtypes of the tensor-core GEMV, in the order `_core.GemvCall` takes them.
-_TOKENS_16 = ("float16", "bfloat16")
 
 
 def forget_outputs_ahead() -> None:
