@@ -149,6 +149,11 @@ fn same_dtype(a: &Bound<'_, PyAny>, b: &Bound<'_, PyAny>) -> bool {
 }
 
 impl GemvCall {
+    /// The entry of token dtype `which` (an index in `dtypes`) and `m` tokens; None past them.
+    fn slot(&self, which: usize, m: usize) -> Option<&OnceLock<Entry>> {
+        self.entries.get(which)?.get(m.checked_sub(1)?)
+    }
+
     /// The address of `a` (an array of the right type, dtype and shape) where its rows are
     /// `row_bytes` apart and contiguous, it starts on 16 bytes, and it lives on the weight's
     /// device; else None.
@@ -205,14 +210,11 @@ impl GemvCall {
         launch: Py<KernelLaunch>,
         ahead: Py<PyList>,
     ) -> PyResult<()> {
-        let slot = m
-            .checked_sub(1)
-            .and_then(|i| self.entries.get(which)?.get(i))
-            .ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "expected a dtype index below 2 and 1 <= m <= {MAX_TOKENS}, got {which} and {m}"
-                ))
-            })?;
+        let slot = self.slot(which, m).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "expected a dtype index below 2 and 1 <= m <= {MAX_TOKENS}, got {which} and {m}"
+            ))
+        })?;
         // A second registration (a twin prepared by another thread at once, of the same
         // kernel and arguments) changes nothing: the first one stays.
         let _ = slot.set(Entry { launch, ahead });
@@ -253,10 +255,7 @@ impl GemvCall {
         let Some((m, cols)) = pair(&x.getattr(intern!(py, "shape"))?) else {
             return Ok(None);
         };
-        let entry = m
-            .checked_sub(1)
-            .and_then(|i| self.entries.get(which)?.get(i))
-            .and_then(OnceLock::get);
+        let entry = self.slot(which, m).and_then(OnceLock::get);
         let (Some(entry), true) = (entry, cols == self.cols) else {
             return Ok(None);
         };
