@@ -3,8 +3,9 @@ sorts each case's outcome and fails the test on what must never happen.
 
 Every case is generated from its own random generator, seeded with (seed, target, index), so
 one case can be replayed alone: the failure message gives the `NYBBLE_FUZZ_REPLAY` value.
-Each suite runs its cases twice over: with `FIXED_SEED`, so that CI is reproducible, and with
-a seed that changes every day (or `NYBBLE_FUZZ_SEED`), so that CI keeps exploring.
+The test suite runs every case with `FIXED_SEED`, so that a commit passes or fails the same
+way on every day and machine; `python -m tests.fuzz` explores with fresh seeds
+(`NYBBLE_FUZZ_SEED`), and what it finds becomes a fixed case in `REGRESSIONS`.
 
 The outcome of a case is its class: `accepted`, or the name of the exception it raised. A case
 fails the test when it ends in
@@ -21,7 +22,6 @@ fails the test when it ends in
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -49,17 +49,22 @@ ACCEPTED = "accepted"
 KNOWN_PREFIX = "known bug: "
 
 
-def rotating_seed() -> int:
-    """NYBBLE_FUZZ_SEED (decimal or 0x...), else today's date as YYYYMMDD."""
+#: Cases that fresh seeds once found failing, replayed by every run: suite name ->
+#: (seed, index) pairs (the `NYBBLE_FUZZ_REPLAY` value of the failure, split).
+REGRESSIONS: dict[str, list[tuple[int, int]]] = {}
+
+
+def exploring_seed() -> int | None:
+    """NYBBLE_FUZZ_SEED (decimal or 0x...), set by `python -m tests.fuzz`; None otherwise."""
     given = os.environ.get("NYBBLE_FUZZ_SEED")
-    if given:
-        return int(given, 0)
-    return int(datetime.date.today().strftime("%Y%m%d"))
+    return int(given, 0) if given else None
 
 
-def run_seeds() -> list[int]:
-    rotating = rotating_seed()
-    return [FIXED_SEED] if rotating == FIXED_SEED else [FIXED_SEED, rotating]
+def run_seeds(fixed: int = FIXED_SEED) -> list[int]:
+    """The seeds a run uses: `fixed` in the test suite (never anything that depends on the
+    date or the machine), only the exploring seed under `python -m tests.fuzz`."""
+    exploring = exploring_seed()
+    return [fixed] if exploring is None else [exploring]
 
 
 def cases_for(share: float) -> int:
@@ -245,20 +250,22 @@ def run_suite(suite: Suite[Any], cases: int, max_failures: int = 20) -> Tally:
         return tally
     started = time.perf_counter()
     seeds = run_seeds()
-    for seed in seeds:
-        for index in range(cases // len(seeds)):
-            case = suite.generate(case_rng(suite.name, seed, index))
-            cls, problem = run_case(suite, case)
-            tally.counts[cls] += 1
-            if problem is None:
-                continue
-            tally.failed += 1
-            tally.reasons[_reason(problem)] += 1
-            if len(tally.failures) < max_failures:
-                tally.failures.append(
-                    f"{problem}\n    case: {describe(case)}\n    replay: "
-                    f"NYBBLE_FUZZ_REPLAY={suite.name}:{seed}:{index}"
-                )
+    keys = [(seed, index) for seed in seeds for index in range(cases // len(seeds))]
+    if exploring_seed() is None:
+        keys += REGRESSIONS.get(suite.name, [])
+    for seed, index in keys:
+        case = suite.generate(case_rng(suite.name, seed, index))
+        cls, problem = run_case(suite, case)
+        tally.counts[cls] += 1
+        if problem is None:
+            continue
+        tally.failed += 1
+        tally.reasons[_reason(problem)] += 1
+        if len(tally.failures) < max_failures:
+            tally.failures.append(
+                f"{problem}\n    case: {describe(case)}\n    replay: "
+                f"NYBBLE_FUZZ_REPLAY={suite.name}:{seed}:{index}"
+            )
     tally.seconds = time.perf_counter() - started
     return tally
 
@@ -280,8 +287,8 @@ def report(tallies: Sequence[Tally]) -> str:
     ]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
     lines = [
-        f"fuzz outcomes (seeds {', '.join(str(s) for s in run_seeds())}; "
-        "NYBBLE_FUZZ_SEED sets the second)",
+        f"fuzz outcomes (seed {', '.join(str(s) for s in run_seeds())}; "
+        "python -m tests.fuzz explores others)",
         "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)),
     ]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
@@ -303,6 +310,25 @@ def _class_order(name: str) -> tuple[int, str]:
     if name in ("FormatError", "NonFiniteError", "ValueError", "KeyError", "TypeError"):
         return (1, name)
     return (2, name)
+
+
+#: Seeds the harness checks run the generators over: fresh seeds are the fuzz command's, so the
+#: generators must make a case from any seed (a case that breaks the harness itself would
+#: fail the fuzz run for a reason that is not the library's).
+HARNESS_SEEDS = (1, 2, 20_261_128, 2**32 + 5, 0xDEADBEEF)
+
+
+def check_generator(name: str, generate: Callable[[np.random.Generator], Any], cases: int) -> None:
+    """`generate` makes `cases` cases per harness seed without raising or warning (warnings
+    are errors in the test run), each describable."""
+    for seed in HARNESS_SEEDS:
+        for index in range(cases):
+            try:
+                describe(generate(case_rng(name, seed, index)))
+            except Exception as e:
+                raise AssertionError(
+                    f"the {name} generator failed on seed {seed}, case {index}: {e!r}"
+                ) from e
 
 
 def check(tallies: Sequence[Tally]) -> None:

@@ -33,6 +33,7 @@ from fuzzing import (
     Suite,
     cases_for,
     check,
+    check_generator,
     dumps,
     hostile_value,
     join_safetensors,
@@ -761,6 +762,11 @@ def _suites(seeds: list[AdapterSeed], dirs: Workdirs) -> list[Suite[AdapterCase]
         Suite("adapter-weights", lambda rng: generate_weights_case(seeds, rng), **common),
         Suite("adapter-config", lambda rng: generate_config_case(seeds, rng), **common),
     ]
+
+
+def test_the_generators_make_cases_from_any_seed(seeds: list[AdapterSeed]) -> None:
+    check_generator("adapter-weights", lambda rng: generate_weights_case(seeds, rng), 2000)
+    check_generator("adapter-config", lambda rng: generate_config_case(seeds, rng), 2000)
 
 
 def test_fuzz_adapter_directories(seeds: list[AdapterSeed], tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from fuzzing import (
     Suite,
     cases_for,
     check,
+    check_generator,
     dumps,
     hostile_value,
     mutate_json,
@@ -319,6 +320,10 @@ def test_the_seeds_import_and_pass_the_reference() -> None:
     for seed in SEEDS:
         case = BnbCase(seed.state, seed.prefix, seed.name)
         assert verify(case, attempt(case)) is None, seed.name
+
+
+def test_the_generator_makes_cases_from_any_seed() -> None:
+    check_generator("bnb-state", generate, 2000)
 
 
 def test_fuzz_bitsandbytes_states() -> None:

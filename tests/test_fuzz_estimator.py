@@ -29,6 +29,7 @@ from fuzzing import (
     Suite,
     cases_for,
     check,
+    check_generator,
     dumps,
     hostile_value,
     mutate_json,
@@ -312,6 +313,10 @@ def test_the_seeds_estimate(tmp_path: Path) -> None:
         result = runner.attempt(case)
         assert isinstance(result, MemoryEstimate)
         assert verify(case, result) is None, name
+
+
+def test_the_generator_makes_cases_from_any_seed() -> None:
+    check_generator("estimator", generate, 2000)
 
 
 def test_fuzz_estimator_configs_and_arguments(tmp_path: Path) -> None:
