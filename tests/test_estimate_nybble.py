@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from nybble.cli import main
-from nybble.memory import estimate_memory
+from nybble.memory import MODEL_PRESETS, TrainingSetup, estimate_memory
+from nybble.memory import nybble_timeline as nt
 from nybble.memory.cupy_pool import CupyPool, round_size
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "memory" / "results" / "nybble"
@@ -204,3 +205,83 @@ def test_the_margin_covers_every_measured_run() -> None:
             est = estimate_of(run["config"])
             assert est.total_bytes + est.margin_bytes >= run["total"], run["name"]
             assert "nybble's trainer" in est.context_source
+
+
+# --- sizes beyond what the replay walks: refused at once, with the bound ------------------
+
+
+@pytest.fixture
+def no_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any replay fails the test: a refusal must come before the first event."""
+
+    def setup(self: nt.NybbleTimeline) -> None:
+        raise AssertionError("the replay started")
+
+    monkeypatch.setattr(nt.NybbleTimeline, "setup", setup)
+
+
+@pytest.mark.usefixtures("no_replay")
+@pytest.mark.parametrize(
+    ("model", "changes"),
+    [
+        ("tiny", dict(seq_len=10**6)),  # issue 39: ran for minutes, GBs of memory
+        ("tiny", dict(seq_len=2**24)),
+        ("tiny", dict(batch=2**20, seq_len=8192)),
+        ("qwen3-0.6b", dict(seq_len=65536)),  # many layers
+        (dict(MODEL_PRESETS["tiny"], num_hidden_layers=256), dict(seq_len=32768)),
+        (dict(MODEL_PRESETS["tiny"], vocab_size=2**24), dict(batch=64, seq_len=65536)),
+    ],
+)
+def test_sizes_beyond_the_replay_are_refused_at_once_with_the_bound(
+    model: Any, changes: dict[str, int]
+) -> None:
+    with pytest.raises(nt.ReplayLimitError) as info:
+        estimate_memory(model, framework="nybble", **changes)  # type: ignore[arg-type]
+    e = info.value
+    assert f"{nt.MAX_CHUNKS_PER_STEP:,}" in str(e) and "seq_len up to" in str(e)
+    # the bound it states is the largest size the replay takes
+    s = TrainingSetup.create(model, **changes)  # type: ignore[arg-type]
+    assert e.max_seq_len >= 1
+    assert nt.chunks_per_step(s.with_(seq_len=e.max_seq_len)) <= nt.MAX_CHUNKS_PER_STEP
+    assert nt.chunks_per_step(s.with_(seq_len=e.max_seq_len + 1)) > nt.MAX_CHUNKS_PER_STEP
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize(("batch", "seq_len"), [(1, 64), (3, 1000), (1, 5000), (2, 3000)])
+def test_the_chunk_count_is_what_the_timeline_walks(
+    monkeypatch: pytest.MonkeyPatch, checkpointing: bool, batch: int, seq_len: int
+) -> None:
+    model = dict(MODEL_PRESETS["tiny"], vocab_size=50_000)
+    s = TrainingSetup.create(model, batch=batch, seq_len=seq_len, grad_checkpointing=checkpointing)
+    walked = []
+    chunks = nt.NybbleTimeline._chunks
+
+    def counted(self: nt.NybbleTimeline, group: int) -> Any:
+        for c in chunks(self, group):
+            walked.append(c)
+            yield c
+
+    monkeypatch.setattr(nt.NybbleTimeline, "_chunks", counted)
+    timeline = nt.NybbleTimeline(s)
+    timeline.setup()
+    timeline.step()
+    logits = [
+        size
+        for op, key, size in timeline.tape.events
+        if op == "alloc" and timeline.tape.tags[key] == "logits_loss" and size % 50_000 == 0
+    ]
+    # each chunk of the loss makes its logits and their float32 and gradient copies
+    assert nt.chunks_per_step(s) == len(walked) + len(logits) // 3
+
+
+def test_a_search_stops_at_the_replays_bound_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nt, "MAX_CHUNKS_PER_STEP", 200)
+    est = estimate_memory("tiny", framework="nybble", seq_len=512, gpu="80GB")
+    n = est.max_seq_len(multiple_of=64)
+    s = est.setup
+    assert (
+        nt.chunks_per_step(s.with_(seq_len=n)) <= 200 < nt.chunks_per_step(s.with_(seq_len=n + 64))
+    )
+    assert any("stopped at" in note and str(n) in note for note in est.notes)
+    with pytest.raises(nt.ReplayLimitError):
+        est.sweep_seq_len([n + 64])

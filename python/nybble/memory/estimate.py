@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arch import Architecture
-from .frameworks import Footprint, Phase, get_framework
+from .frameworks import Footprint, Phase, ReplayLimitError, get_framework
 from .parts import ALLOCATOR_CACHE, BREAKDOWN_KEYS, OUTSIDE_ALLOCATOR, TENSOR_PARTS
 from .presets import GiB, GpuSpec, parse_bytes, resolve_gpu
 from .runtime import outside_allocator
@@ -120,7 +120,10 @@ class MemoryEstimate:
         s, out = self.setup, []
 
         def attempt(setting: str, value: Any, description: str, **changes: Any) -> None:
-            est = self._at(**changes)
+            try:
+                est = self._at(**changes)
+            except ReplayLimitError:  # beyond what the framework replays: not suggested
+                return
             if est.total_bytes <= limit:
                 out.append(Suggestion(setting, value, est.total_bytes, description))
 
@@ -165,7 +168,10 @@ class MemoryEstimate:
         cheap = dict(grad_checkpointing=True, batch=1)
         if s.quantized:
             cheap["double_quant"] = True
-        base = self._at(**cheap)
+        try:
+            base = self._at(**cheap)
+        except ReplayLimitError:
+            return []
         n = base.max_seq_len(limit, multiple_of=step)
         if n >= 1:
             total = base._at(seq_len=n).total_bytes
@@ -197,15 +203,29 @@ class MemoryEstimate:
         framework's lower bound (for transformers + PEFT + bitsandbytes: the replay's events
         without the allocator) narrows the range; then a few full estimates finish."""
         model = get_framework(self.framework)
+        beyond: set[int] = set()  # sizes the framework does not replay (ReplayLimitError)
 
         def lower(n: int) -> int:
-            return model.lower_bound(self.setup.with_(**changes(n))) + self.context_bytes
+            try:
+                return model.lower_bound(self.setup.with_(**changes(n))) + self.context_bytes
+            except ReplayLimitError:
+                beyond.add(n)
+                return limit + 1  # counted as not fitting: the answer is a lower bound
 
         def total(n: int) -> int:
             return self._at(**changes(n)).total_bytes
 
         top = _largest(lambda n: lower(n) <= limit, hi)
-        return _largest_within(total, limit, top)
+        found = _largest_within(total, limit, top)
+        if found and found + 1 in beyond:
+            (setting, value), *_ = changes(found).items()
+            note = (
+                f"the search for the largest {setting} stopped at {value}: framework "
+                f"{self.framework!r} replays no larger one here; a larger one may fit too"
+            )
+            if note not in self.notes:
+                self.notes.append(note)
+        return found
 
     # --- output ---------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from .cupy_pool import CupyPool
-from .nybble_timeline import NybbleTimeline
+from .nybble_timeline import NybbleTimeline, ReplayLimitError
 from .parts import BREAKDOWN_KEYS, TENSOR_PARTS
 from .quant import FLOAT_FORMATS
 from .replay import TaggedReplay, live_peak
@@ -354,6 +354,7 @@ __all__ = [
     "NybbleTrainer",
     "PeftBnb",
     "Phase",
+    "ReplayLimitError",
     "blk",
     "get_framework",
     "register_framework",

@@ -47,6 +47,64 @@ HEAD_CHUNK_ELEMENTS = 1 << 25
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: A device scalar or a non-finite check's slot: one 512-byte block of the pool.
 SCALAR = 8
+#: The replay walks every chunk of the trainer's attention and loss, about 20 us each: a setup
+#: whose training step has more chunks than this (about 6 s of replay) is refused at once
+#: rather than left running (a million tokens of the tiny model make 750,000 a step).
+MAX_CHUNKS_PER_STEP = 1 << 16
+
+
+class ReplayLimitError(ValueError):
+    """A setup whose replay would walk more than `MAX_CHUNKS_PER_STEP` chunks a step.
+    `max_seq_len` (at the setup's batch) and `max_batch` (at its seq_len) are the largest the
+    replay takes, 0 where none is."""
+
+    def __init__(self, message: str, max_seq_len: int, max_batch: int) -> None:
+        super().__init__(message)
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+
+
+def chunks_per_step(s: TrainingSetup) -> int:
+    """Chunks of attention scores and of logits one training step walks, as the trainer (and
+    `NybbleTimeline`) does: per layer the forward, the backward and, with checkpointing, the
+    forward again, each over `_chunks`; then the loss over `head_cross_entropy`'s rows."""
+    a = s.arch
+    rows = max(1, min(s.seq_len, ATTENTION_CHUNK_ELEMENTS // (s.batch * a.num_heads * s.seq_len)))
+    passes = a.num_layers * (3 if s.grad_checkpointing else 2)
+    head_rows = max(1, min(s.tokens, HEAD_CHUNK_ELEMENTS // a.vocab_size))
+    return passes * -(-s.seq_len // rows) + -(-s.tokens // head_rows)
+
+
+def _largest(fits: Any, hi: int) -> int:
+    """Largest n in [1, hi] with fits(n) (monotone), 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def check_replay_size(s: TrainingSetup) -> None:
+    """ReplayLimitError, stating the bound, for a setup beyond `MAX_CHUNKS_PER_STEP`."""
+    n = chunks_per_step(s)
+    if n <= MAX_CHUNKS_PER_STEP:
+        return
+
+    def ok(**changes: int) -> bool:
+        return chunks_per_step(s.with_(**changes)) <= MAX_CHUNKS_PER_STEP
+
+    seq = _largest(lambda x: ok(seq_len=x), s.seq_len)
+    batch = _largest(lambda x: ok(batch=x), s.batch)
+    at = f"at batch {s.batch}: seq_len up to {seq}" if seq else f"batch {s.batch} is too large"
+    raise ReplayLimitError(
+        f"framework 'nybble' replays every chunk of the trainer's attention and loss: batch "
+        f"{s.batch} x seq_len {s.seq_len} makes {n:,} chunks a training step, more than the "
+        f"{MAX_CHUNKS_PER_STEP:,} it replays (the attention's grow with batch x heads x "
+        f"seq_len^2 x layers, the loss's with batch x seq_len x vocab); this model takes, {at}"
+        + (f"; at seq_len {s.seq_len}: batch up to {batch}" if batch else ""),
+        max_seq_len=seq,
+        max_batch=batch,
+    )
 
 
 class Buf:
@@ -279,6 +337,7 @@ class NybbleTimeline:
 
     def __init__(self, s: TrainingSetup) -> None:
         supported(s)
+        check_replay_size(s)
         self.s, self.tape = s, Tape()
         self.d = _Dims(
             tokens=s.tokens,
@@ -511,4 +570,12 @@ class NybbleTimeline:
         tape.tag = ACTIVATIONS
 
 
-__all__ = ["Buf", "NybbleTimeline", "supported"]
+__all__ = [
+    "MAX_CHUNKS_PER_STEP",
+    "Buf",
+    "NybbleTimeline",
+    "ReplayLimitError",
+    "check_replay_size",
+    "chunks_per_step",
+    "supported",
+]
