@@ -40,15 +40,22 @@ def _nvrtc() -> ctypes.CDLL:
 
 
 def compile_ptx(
-    source: str, name: str, arch: str, defines: tuple[str, ...] = (), host: bool = True
+    source: str,
+    name: str,
+    arch: str,
+    defines: tuple[str, ...] = (),
+    host: bool = True,
+    options: list[str] | None = None,
 ) -> str:
     """PTX of `source`, compiled with the options the library uses (with the definitions the
-    host passes unless not `host`), or an AssertionError carrying the compiler's log."""
+    host passes unless not `host`; or `options` as given), or an AssertionError carrying the
+    compiler's log."""
     nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
     assert rc == 0, nvrtc.nvrtcGetErrorString(rc)
-    options = kernels.compile_options(arch.removeprefix("sm_"), defines)
+    if options is None:
+        options = kernels.compile_options(arch.removeprefix("sm_"), defines)
     if not host:
         options = [o for o in options if o.removeprefix("-D") not in kernels.HOST_DEFINES]
     include = NVIDIA / "cuda_runtime" / "include" if NVIDIA else None
@@ -99,6 +106,16 @@ def test_kernel_source_compiles(name: str, arch: str) -> None:
     assert ".local" not in ptx, "a kernel spills an array to local memory"
     # IEEE arithmetic throughout: flushing subnormals would break bit-exactness with the CPU.
     assert ".ftz" not in ptx, "flush-to-zero arithmetic in the kernels"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_trainer_kernels_compile(arch: str) -> None:
+    from nybble.train import _cuda
+
+    options = [*_cuda.COMPILE_OPTIONS, f"--gpu-architecture={arch}"]
+    ptx = compile_ptx(_cuda.SOURCE, "train_kernels.cu", arch, options=options)
+    assert set(_cuda.KERNEL_NAMES) <= set(re.findall(r"\.entry\s+(\w+)", ptx))
+    assert ".local" not in ptx
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

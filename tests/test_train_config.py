@@ -130,8 +130,10 @@ def test_reads_a_file_or_its_folder(tmp_path: Path) -> None:
     [
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "gemma2"}, "model_type"),
+        ({"model_type": "phi3"}, "model_type"),
+        ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),
+        ({"model_type": "qwen2", "mlp_bias": True}, "mlp_bias"),
         ({"attention_dropout": 0.1}, "attention_dropout"),
         ({"num_local_experts": 8}, "num_local_experts"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
@@ -150,6 +152,20 @@ def test_refuses_what_it_does_not_implement(change: dict[str, Any], field: str) 
     with pytest.raises(FormatError) as e:
         TransformerConfig.from_hf({**LLAMA_31_8B, **change})
     assert e.value.field == field
+
+
+def test_reads_the_biases_of_each_model_type() -> None:
+    assert TransformerConfig.from_hf(LLAMA_31_8B).biases == ()
+    llama = TransformerConfig.from_hf({**LLAMA_31_8B, "attention_bias": True, "mlp_bias": True})
+    assert llama.biases == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    )  # fmt: skip
+    qwen2 = TransformerConfig.from_hf({**LLAMA_31_8B, "model_type": "qwen2"})
+    assert qwen2.biases == ("q_proj", "k_proj", "v_proj")
+    assert TransformerConfig.from_dict(qwen2.to_dict()) == qwen2
+    assert TransformerConfig.from_hf({**QWEN3_4B, "attention_bias": True}).biases[:4] == (
+        "q_proj", "k_proj", "v_proj", "o_proj"
+    )  # fmt: skip
 
 
 def test_refuses_qwen_sliding_windows_and_mixed_layer_types() -> None:

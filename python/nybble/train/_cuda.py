@@ -61,17 +61,24 @@ __device__ float block_sum(float v, float* shared) {
 }
 
 // Row `row` of a chunk of scores [batch, rows_per_batch, keys]: its position (the chunk
-// starts at position t0; `group` rows per position) and the keys [lo, hi) it may see.
+// starts at position t0; `group` rows per position) and the keys [lo, hi) it may see. With
+// `starts` (packed sequences, [batch, positions]: where each position's sample begins), no
+// key before the row's sample start.
 struct RowSpan {
     long long batch, r, lo, hi;
 };
 __device__ __forceinline__ RowSpan row_span(long long row, long long rows_per_batch, int keys,
-                                            int group, long long t0, long long window) {
+                                            int group, long long t0, long long window,
+                                            const int* starts, long long positions) {
     RowSpan s;
     s.batch = row / rows_per_batch;
     s.r = row % rows_per_batch;
     const long long pos = t0 + s.r / group;
     s.lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    if (starts != nullptr) {
+        const long long first = starts[s.batch * positions + pos];
+        s.lo = first > s.lo ? first : s.lo;
+    }
     s.hi = pos + 1 < keys ? pos + 1 : keys;
     return s;
 }
@@ -81,10 +88,12 @@ __device__ __forceinline__ RowSpan row_span(long long row, long long rows_per_ba
 template <typename T>
 __device__ void softmax_forward_row(T* s, float* lse, long long rows_per_batch, int keys,
                                     int group, long long t0, long long window, float scale,
-                                    long long lse_stride, long long lse_offset) {
+                                    long long lse_stride, long long lse_offset,
+                                    const int* starts, long long positions) {
     __shared__ float shared[32];
     const long long row = blockIdx.x;
-    const RowSpan span = row_span(row, rows_per_batch, keys, group, t0, window);
+    const RowSpan span =
+        row_span(row, rows_per_batch, keys, group, t0, window, starts, positions);
     T* p = s + row * (long long)keys;
     float m = __int_as_float(0xff800000);  // -inf
     for (long long j = span.lo + threadIdx.x; j < span.hi; j += blockDim.x)
@@ -108,9 +117,10 @@ template <typename T>
 __device__ void softmax_backward_row(T* s, T* dp, const float* lse, const float* delta,
                                      long long rows_per_batch, int keys, int group, long long t0,
                                      long long window, float scale, long long stride,
-                                     long long offset) {
+                                     long long offset, const int* starts, long long positions) {
     const long long row = blockIdx.x;
-    const RowSpan span = row_span(row, rows_per_batch, keys, group, t0, window);
+    const RowSpan span =
+        row_span(row, rows_per_batch, keys, group, t0, window, starts, positions);
     const long long at = span.batch * stride + offset + span.r;
     const float row_lse = lse[at];
     const float row_delta = delta[at];
@@ -153,16 +163,17 @@ __device__ void gate_backward_all(const T* da, T* g, T* u, long long n) {
 #define SOFTMAX_KERNELS(NAME, T)                                                              \
     extern "C" __global__ void softmax_forward_##NAME(                                         \
         T* s, float* lse, long long rows_per_batch, int keys, int group, long long t0,         \
-        long long window, float scale, long long lse_stride, long long lse_offset) {           \
+        long long window, float scale, long long lse_stride, long long lse_offset,             \
+        const int* starts, long long positions) {                                              \
         softmax_forward_row<T>(s, lse, rows_per_batch, keys, group, t0, window, scale,         \
-                               lse_stride, lse_offset);                                        \
+                               lse_stride, lse_offset, starts, positions);                     \
     }                                                                                          \
     extern "C" __global__ void softmax_backward_##NAME(                                        \
         T* s, T* dp, const float* lse, const float* delta, long long rows_per_batch, int keys, \
         int group, long long t0, long long window, float scale, long long stride,              \
-        long long offset) {                                                                    \
+        long long offset, const int* starts, long long positions) {                            \
         softmax_backward_row<T>(s, dp, lse, delta, rows_per_batch, keys, group, t0, window,    \
-                                scale, stride, offset);                                        \
+                                scale, stride, offset, starts, positions);                     \
     }                                                                                          \
     extern "C" __global__ void gate_forward_##NAME(const T* g, const T* u, T* a, long long n) { \
         gate_forward_all<T>(g, u, a, n);                                                       \
@@ -227,12 +238,13 @@ __device__ void rms_backward_rows(const T* dy, const T* x, const float* rstd, co
 }
 
 // One warp per (position, head) row of x [B, T, heads, D]: the optional RMSNorm of the head
-// (has_norm), rotary positions (the halves of the head are the pairs), written to
-// out [B, heads / group, T, group, D].
+// (has_norm), rotary positions (the halves of the head are the pairs; tables [T, D], or
+// [B, T, D] with per_token: packed sequences), written to out [B, heads / group, T, group, D].
 template <typename T>
 __device__ void heads_forward_rows(const T* x, const float* w, int has_norm, const T* cos,
                                    const T* sin, T* out, float* rstd, long long rows, int heads,
-                                   long long positions, int group, int d, float eps) {
+                                   long long positions, int group, int d, float eps,
+                                   int per_token) {
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -252,8 +264,8 @@ __device__ void heads_forward_rows(const T* x, const float* w, int has_norm, con
     const int head = (int)(row % heads);
     const long long kv_head = b * (heads / group) + head / group;
     T* o = out + ((kv_head * positions + t) * group + head % group) * d;
-    const T* c = cos + t * d;
-    const T* s = sin + t * d;
+    const T* c = cos + (per_token ? token : t) * d;
+    const T* s = sin + (per_token ? token : t) * d;
     for (int i = lane; i < half; i += 32) {
         float a = load_f(xr, i), bb = load_f(xr, i + half);
         if (has_norm) {
@@ -282,12 +294,14 @@ __device__ __forceinline__ float2 rope_back(const T* g, const T* c, const T* s, 
 template <typename T>
 __device__ void heads_backward_rows(const T* dy, const T* x, const float* rstd, const float* w,
                                     int has_norm, const T* cos, const T* sin, T* dx,
-                                    long long rows, int heads, long long positions, int d) {
+                                    long long rows, int heads, long long positions, int d,
+                                    int per_token) {
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
     const int half = d / 2;
-    const long long t = (row / heads) % positions;
+    const long long token = row / heads;
+    const long long t = per_token ? token : token % positions;
     const T* g = dy + row * d;
     const T* c = cos + t * d;
     const T* s = sin + t * d;
@@ -326,16 +340,16 @@ __device__ void heads_backward_rows(const T* dy, const T* x, const float* rstd, 
     extern "C" __global__ void heads_forward_##NAME(                                           \
         const T* x, const float* w, int has_norm, const T* cos, const T* sin, T* out,          \
         float* rstd, long long rows, int heads, long long positions, int group, int d,         \
-        float eps) {                                                                           \
+        float eps, int per_token) {                                                            \
         heads_forward_rows<T>(x, w, has_norm, cos, sin, out, rstd, rows, heads, positions,     \
-                              group, d, eps);                                                  \
+                              group, d, eps, per_token);                                       \
     }                                                                                          \
     extern "C" __global__ void heads_backward_##NAME(                                          \
         const T* dy, const T* x, const float* rstd, const float* w, int has_norm,              \
         const T* cos, const T* sin, T* dx, long long rows, int heads, long long positions,     \
-        int d) {                                                                               \
+        int d, int per_token) {                                                                \
         heads_backward_rows<T>(dy, x, rstd, w, has_norm, cos, sin, dx, rows, heads, positions, \
-                               d);                                                             \
+                               d, per_token);                                                  \
     }
 
 ROW_KERNELS(bf16, unsigned short)
@@ -373,12 +387,16 @@ def supports(dtype: Any) -> bool:
     return dtype_name(np.dtype(dtype)) in SUFFIX
 
 
+#: NVRTC options: no contraction of a*b+c into an FMA, so each step rounds as its xp
+#: statement does.
+COMPILE_OPTIONS = ("-std=c++17", "--fmad=false")
+
+
 @functools.cache
 def _module(device: int) -> Any:
     import cupy as cp
 
-    # no contraction of a*b+c into an FMA: each step rounds as its xp statement does
-    return cp.RawModule(code=SOURCE, options=("-std=c++17", "--fmad=false"))
+    return cp.RawModule(code=SOURCE, options=COMPILE_OPTIONS)
 
 
 def _kernel(name: str, dtype: Any) -> Any:
@@ -417,11 +435,28 @@ def _row_args(
     )
 
 
+def _starts_args(starts: Any, batch: int) -> tuple[Any, np.int64]:
+    """The kernels' (starts, positions) arguments: a null pointer without starts."""
+    if starts is None:
+        return np.uint64(0), np.int64(0)
+    _check("starts", starts, np.int32)
+    if starts.ndim != 2 or starts.shape[0] != batch:
+        raise ValueError(f"starts: expected [{batch}, positions], got {tuple(starts.shape)}")
+    return starts, np.int64(starts.shape[1])
+
+
 class FusedSoftmax:
     """`functional.SoftmaxKernels` on the GPU: one launch per chunk for each direction."""
 
     def forward(
-        self, s: Any, lse: Any, t0: int, group: int, window: int | None, scale: float
+        self,
+        s: Any,
+        lse: Any,
+        t0: int,
+        group: int,
+        window: int | None,
+        scale: float,
+        starts: Any = None,
     ) -> None:
         _check("scores", s, s.dtype)
         _check("lse", lse, np.float32)
@@ -430,7 +465,7 @@ class FusedSoftmax:
         args = _row_args(s, lse, t0, group, window, scale)
         rows = int(s.shape[0] * s.shape[1])
         kernel = _kernel("softmax_forward", s.dtype)
-        kernel((rows,), (ROW_THREADS,), (s, lse, *args))
+        kernel((rows,), (ROW_THREADS,), (s, lse, *args, *_starts_args(starts, int(s.shape[0]))))
 
     def backward(
         self,
@@ -442,6 +477,7 @@ class FusedSoftmax:
         group: int,
         window: int | None,
         scale: float,
+        starts: Any = None,
     ) -> None:
         _check("scores", s, s.dtype)
         _check("dp", dp, s.dtype, tuple(s.shape))
@@ -452,7 +488,8 @@ class FusedSoftmax:
         args = _row_args(s, lse, t0, group, window, scale)
         rows = int(s.shape[0] * s.shape[1])
         kernel = _kernel("softmax_backward", s.dtype)
-        kernel((rows,), (ROW_THREADS,), (s, dp, lse, delta, *args))
+        starts_args = _starts_args(starts, int(s.shape[0]))
+        kernel((rows,), (ROW_THREADS,), (s, dp, lse, delta, *args, *starts_args))
 
 
 class FusedGate:
@@ -584,6 +621,7 @@ class FusedHeads:
             np.int32(group),
             np.int32(d),
             np.float32(eps),
+            np.int32(cos.ndim == 3),
         )
         kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
         return out, rstd
@@ -622,12 +660,14 @@ class FusedHeads:
             np.int32(heads),
             np.int64(t),
             np.int32(d),
+            np.int32(cos.ndim == 3),
         )
         kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
         return dx, None
 
 
 __all__ = [
+    "COMPILE_OPTIONS",
     "KERNEL_NAMES",
     "SOURCE",
     "FusedGate",

@@ -1,5 +1,6 @@
 """TransformerConfig: the shape of a decoder-only LM in Hugging Face Llama's terms, read from
-a Llama / Mistral / Qwen3 `config.json` or built by hand (docs/training.md, "The model")."""
+a Llama / Mistral / Qwen2 / Qwen3 `config.json` or built by hand (docs/training.md, "The
+model")."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from ..errors import FormatError
 from ..lora.config import read_json
 
 #: The model types whose math the trainer implements: Llama's decoder (RMSNorm, rotary,
-#: GQA, SwiGLU), Mistral's (the same, with an optional sliding window) and Qwen3's (the same,
-#: with an RMSNorm of q and k per head before the rotation).
-MODEL_TYPES = ("llama", "mistral", "qwen3")
+#: GQA, SwiGLU; SmolLM is a Llama), Mistral's (the same, with an optional sliding window),
+#: Qwen2's (the same, with biases on q, k and v) and Qwen3's (with an RMSNorm of q and k per
+#: head before the rotation).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Projections that may carry a bias (HF: Qwen2's q/k/v always; Llama's and Qwen3's
+#: `attention_bias` q/k/v/o, Llama's `mlp_bias` gate/up/down).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 #: Rotary variants: HF's "default", "linear" (positions divided by `factor`) and "llama3"
 #: (Llama 3.1's frequency-dependent scaling).
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,6 +66,8 @@ class TransformerConfig:
     model_type: str = "llama"
     #: Standard deviation of the random initial weights (HF's initializer_range).
     initializer_range: float = 0.02
+    #: The projections (short names, `q_proj` ...) that add a bias to their product.
+    biases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads == 0:
@@ -113,7 +121,9 @@ class TransformerConfig:
         }
 
     def num_parameters(self) -> int:
-        per_layer = sum(o * i for o, i in self.projection_shapes().values())
+        shapes = self.projection_shapes()
+        per_layer = sum(o * i for o, i in shapes.values())
+        per_layer += sum(o for path, (o, _) in shapes.items() if path.split(".")[1] in self.biases)
         per_layer += 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
@@ -166,6 +176,12 @@ class TransformerConfig:
         for name in ("tie_word_embeddings", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TransformerConfig.{name} must be True or False")
+        known = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+        if not isinstance(self.biases, tuple) or not all(b in known for b in self.biases):
+            raise ValueError(
+                f"TransformerConfig.biases must be a tuple of projection names {known}, "
+                f"got {self.biases!r}"
+            )
         rope = self.rope_scaling
         if not isinstance(rope, RopeScaling) or rope.rope_type not in ROPE_TYPES:
             raise ValueError(
@@ -208,10 +224,11 @@ class TransformerConfig:
             "initializer_range": self.initializer_range,
             "attention_dropout": 0.0,
         }
-        if self.model_type != "qwen3":
-            out["attention_bias"] = False
+        attention_bias = set(ATTENTION_PROJECTIONS) <= set(self.biases)
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = attention_bias
         if self.model_type == "llama":
-            out["mlp_bias"] = False
+            out["mlp_bias"] = set(MLP_PROJECTIONS) <= set(self.biases)
         rope = self.rope_scaling
         if rope.rope_type == "default":
             out["rope_scaling"] = None
@@ -241,6 +258,8 @@ class TransformerConfig:
         if unknown:
             raise FormatError(source, "is not a TransformerConfig field", unknown[0])
         kwargs = dict(data)
+        if isinstance(kwargs.get("biases"), list):
+            kwargs["biases"] = tuple(kwargs["biases"])
         rope = kwargs.get("rope_scaling")
         if isinstance(rope, Mapping):
             try:
@@ -253,11 +272,14 @@ class TransformerConfig:
             raise FormatError(source, str(e)) from None
 
     @classmethod
-    def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> TransformerConfig:
+    def from_hf(
+        cls, source: Mapping[str, Any] | str | os.PathLike[str], where: str | None = None
+    ) -> TransformerConfig:
         """A config from an HF `config.json` (the parsed dict, the file, or its directory) of a
-        Llama, Mistral or Qwen3 model. A field that changes the math in a way nybble does not
+        Llama, Mistral, Qwen2 or Qwen3 model. A field that changes the math in a way nybble does not
         implement (another activation, biases, MoE, another rotary scaling, a sliding window
-        on Qwen, attention dropout) is refused with a FormatError naming it."""
+        on Qwen, attention dropout) is refused with a FormatError naming it (and `where`, the
+        file to name in errors when `source` is a dict)."""
         path: Path | None = None
         if isinstance(source, Mapping):
             raw: Any = source
@@ -270,7 +292,7 @@ class TransformerConfig:
             if path.is_dir():
                 path = path / "config.json"
             raw = read_json(path)
-        where = str(path) if path is not None else "config.json"
+        where = where or (str(path) if path is not None else "config.json")
         if not isinstance(raw, Mapping):
             raise FormatError(where, "not a JSON object")
         return _HfReader(raw, where).read()
@@ -279,8 +301,11 @@ class TransformerConfig:
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+#: What HF's modules of each type put biases on: Qwen2's q/k/v always, the others' by flag.
+_FIXED_BIASES = {"qwen2": ("q_proj", "k_proj", "v_proj")}
 
 
 class _HfReader:
@@ -334,8 +359,6 @@ class _HfReader:
             )
         for name in ("hidden_act", "hidden_activation"):
             self.require(name, ("silu",), "the MLP is SwiGLU with silu")
-        self.require("attention_bias", (False,), "projections have no bias")
-        self.require("mlp_bias", (False,), "projections have no bias")
         self.require("attention_dropout", (0, 0.0), "attention has no dropout")
         self.require("partial_rotary_factor", (1, 1.0), "rotary covers the whole head")
         for name in ("num_experts", "num_local_experts", "n_routed_experts"):
@@ -375,6 +398,7 @@ class _HfReader:
             qk_norm=model_type == "qwen3",
             sliding_window=self.sliding_window(model_type),
             initializer_range=self.number("initializer_range", 0.02),
+            biases=self.biases(model_type),
         )
         try:
             return TransformerConfig(**values)
@@ -423,9 +447,23 @@ class _HfReader:
             raise self.fail(field_name, f"incomplete {kind} scaling ({e!r})") from None
         return theta, scaling
 
+    def biases(self, model_type: str) -> tuple[str, ...]:
+        """The projections with a bias: Qwen2's q/k/v, and what `attention_bias` (Llama,
+        Qwen3) and `mlp_bias` (Llama) switch on; the flags of other types must be off."""
+        fixed = _FIXED_BIASES.get(model_type, ())
+        flags = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+        out = list(fixed)
+        for name in ("attention_bias", "mlp_bias"):
+            if name in flags.get(model_type, ()):
+                if self.flag(name, False):
+                    out += ATTENTION_PROJECTIONS if name == "attention_bias" else MLP_PROJECTIONS
+            else:
+                self.require(name, (False,), f"{model_type} projections have no such bias")
+        return tuple(dict.fromkeys(out))
+
     def sliding_window(self, model_type: str) -> int | None:
         raw = self.raw
-        if model_type == "qwen3":
+        if model_type in ("qwen2", "qwen3"):
             self.require(
                 "use_sliding_window", (False,), "Qwen's per-layer window is not implemented"
             )
@@ -458,4 +496,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-__all__ = ["MODEL_TYPES", "ROPE_TYPES", "RopeScaling", "TransformerConfig"]
+__all__ = [
+    "ATTENTION_PROJECTIONS",
+    "MLP_PROJECTIONS",
+    "MODEL_TYPES",
+    "ROPE_TYPES",
+    "RopeScaling",
+    "TransformerConfig",
+]

@@ -142,7 +142,7 @@ def rope_inverse_frequencies(config: TransformerConfig) -> np.ndarray:
 def rope_tables(config: TransformerConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [length, head_dim] (float32, host) for positions 0..length-1: the angles
     position·inv_freq computed in float32, the two halves of the head sharing them (HF's
-    `cat(freqs, freqs)`)."""
+    `cat(freqs, freqs)`). Packed batches take the rows of their tokens' positions."""
     inv_freq = rope_inverse_frequencies(config)
     freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
     angles = np.concatenate([freqs, freqs], axis=-1)
@@ -150,10 +150,11 @@ def rope_tables(config: TransformerConfig, length: int) -> tuple[np.ndarray, np.
 
 
 def rope_forward(x: Array, cos: Array, sin: Array) -> Array:
-    """x·cos + rotate_half(x)·sin for x [B, T, heads, D] and tables [T, D], where
-    rotate_half(x) = cat(-x₂, x₁) (HF's convention: the halves of the head are the pairs)."""
+    """x·cos + rotate_half(x)·sin for x [B, T, heads, D] and tables [T, D] (or [B, T, D], a
+    position per token), where rotate_half(x) = cat(-x₂, x₁) (HF's convention: the halves of
+    the head are the pairs)."""
     half = x.shape[-1] // 2
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     y = x * c
     y[..., :half] -= x[..., half:] * s[..., :half]
     y[..., half:] += x[..., :half] * s[..., half:]
@@ -164,7 +165,7 @@ def rope_backward(dy: Array, cos: Array, sin: Array) -> Array:
     """The transpose of rope_forward: dy·cos + rotate_halfᵀ(dy·sin), rotate_halfᵀ(z) =
     cat(z₂, -z₁)."""
     half = dy.shape[-1] // 2
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     dx = dy * c
     dx[..., :half] += dy[..., half:] * s[..., half:]
     dx[..., half:] -= dy[..., :half] * s[..., :half]
@@ -222,33 +223,52 @@ class SoftmaxKernels:
     """The causal softmax of a chunk of scores and its gradient, in `xp`. Scores `s` are
     [batch, rows, keys] (rows: `group` query heads per position, positions from `t0`);
     `lse` and `delta` are [batch, positions · group], of which the chunk covers
-    [t0·group, t0·group + rows)."""
+    [t0·group, t0·group + rows). `starts` [batch, positions] (packed sequences), where given,
+    is the first position of each position's sample: no row sees a key before it."""
 
     def __init__(self, xp: Any) -> None:
         self.xp = xp
 
     def _mask(
-        self, rows: int, keys: int, t0: int, group: int, window: int | None, dtype: Any
+        self,
+        rows: int,
+        keys: int,
+        t0: int,
+        group: int,
+        window: int | None,
+        starts: Array | None,
+        dtype: Any,
     ) -> Array:
-        """[rows, keys]: 0 where row may see the key, -inf where it may not (a later position,
-        or one beyond the sliding window). Added before exp, so masked entries are exactly 0."""
+        """[rows, keys] ([batch, rows, keys] with `starts`): 0 where row may see the key, -inf
+        where it may not (a later position, one beyond the sliding window, one of another
+        sample). Added before exp, so masked entries are exactly 0."""
         xp = self.xp
         pos = t0 + xp.arange(rows) // group
         key = xp.arange(keys)
         invalid = key[None, :] > pos[:, None]
         if window is not None:
             invalid |= key[None, :] <= pos[:, None] - window
+        if starts is not None:
+            first = starts[:, pos]  # [batch, rows]
+            invalid = invalid[None] | (key[None, None, :] < first[:, :, None])
         return xp.where(invalid, -np.inf, 0.0).astype(dtype)
 
     def forward(
-        self, s: Array, lse: Array, t0: int, group: int, window: int | None, scale: float
+        self,
+        s: Array,
+        lse: Array,
+        t0: int,
+        group: int,
+        window: int | None,
+        scale: float,
+        starts: Array | None = None,
     ) -> None:
         """s ← softmax(scale·s) over the keys each row may see; lse ← its log-sum-exp."""
         xp = self.xp
         rows, keys = s.shape[-2:]
         acc = accumulate_dtype(s.dtype)
         sf = s.astype(acc) * scale
-        sf += self._mask(rows, keys, t0, group, window, acc)
+        sf += self._mask(rows, keys, t0, group, window, starts, acc)
         m = sf.max(axis=-1, keepdims=True)
         sf -= m
         xp.exp(sf, out=sf)
@@ -268,6 +288,7 @@ class SoftmaxKernels:
         group: int,
         window: int | None,
         scale: float,
+        starts: Array | None = None,
     ) -> None:
         """s ← P = exp(scale·s - lse) (0 where masked), dp ← dS = P·(dp - delta)·scale."""
         xp = self.xp
@@ -277,7 +298,7 @@ class SoftmaxKernels:
         lse_c = lse[:, start : start + rows].reshape(s.shape[0], rows, 1)
         delta_c = delta[:, start : start + rows].reshape(s.shape[0], rows, 1)
         p = s.astype(acc) * scale
-        p += self._mask(rows, keys, t0, group, window, acc)
+        p += self._mask(rows, keys, t0, group, window, starts, acc)
         p -= lse_c
         xp.exp(p, out=p)
         ds = dp.astype(acc) - delta_c
@@ -297,6 +318,13 @@ def attention_chunks(
     return [(t0, min(t0 + step, positions)) for t0 in range(0, positions, step)]
 
 
+def score_starts(xp: Any, starts: Array | None, kv_heads: int) -> Array | None:
+    """A batch's sample starts [B, T] for the scores' batches [B·kv_heads, T] (int32)."""
+    if starts is None:
+        return None
+    return xp.ascontiguousarray(xp.repeat(starts.astype(np.int32, copy=False), kv_heads, axis=0))
+
+
 def attention_forward(
     xp: Any,
     q: Array,
@@ -306,22 +334,25 @@ def attention_forward(
     window: int | None,
     softmax: SoftmaxKernels,
     chunk_elements: int = ATTENTION_CHUNK_ELEMENTS,
+    starts: Array | None = None,
 ) -> tuple[Array, Array]:
     """Causal attention. q [B, kv_heads, T, group, D] (query head h = kv·group + i, HF's
-    repeat_kv order), k, v [B, kv_heads, T, D], all C-contiguous. Returns the output
-    [B, T, kv_heads, group, D] (the layout o_proj reads) and the log-sum-exp of every row
-    [B·kv_heads, T·group] (float32)."""
+    repeat_kv order), k, v [B, kv_heads, T, D], all C-contiguous; `starts` [B, T] (packed
+    sequences: each position's sample begins there, and no query sees a key before it) or
+    None. Returns the output [B, T, kv_heads, group, D] (the layout o_proj reads) and the
+    log-sum-exp of every row [B·kv_heads, T·group] (float32)."""
     b, kv, t, group, d = q.shape
     nb = b * kv
     qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
     bmm = backends.of(q).batched_matmul
     out = xp.empty((b, t, kv, group, d), q.dtype)
     lse = xp.empty((nb, t * group), accumulate_dtype(q.dtype))
+    head_starts = score_starts(xp, starts, kv)
     for t0, t1 in attention_chunks(nb, t, group, chunk_elements):
         rows = (t1 - t0) * group
         qc = qb[:, t0:t1].reshape(nb, rows, d)
         s = bmm(qc, kb[:, :t1].transpose(0, 2, 1))
-        softmax.forward(s, lse, t0, group, window, scale)
+        softmax.forward(s, lse, t0, group, window, scale, head_starts)
         oc = bmm(s, vb[:, :t1])
         out[:, t0:t1] = oc.reshape(b, kv, t1 - t0, group, d).transpose(0, 2, 1, 3, 4)
     return out, lse
@@ -339,6 +370,7 @@ def attention_backward(
     window: int | None,
     softmax: SoftmaxKernels,
     chunk_elements: int = ATTENTION_CHUNK_ELEMENTS,
+    starts: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """Gradients of attention_forward for do [B, T, kv_heads, group, D]: dq in the same layout
     as do, dk and dv [B, T, kv_heads, D], all in do's dtype. Per chunk, with P recomputed
@@ -355,13 +387,14 @@ def attention_backward(
     dq = xp.empty((b, t, kv, group, d), do.dtype)
     dk = xp.zeros((nb, t, d), acc)
     dv = xp.zeros((nb, t, d), acc)
+    head_starts = score_starts(xp, starts, kv)
     for t0, t1 in attention_chunks(nb, t, group, chunk_elements):
         rows = (t1 - t0) * group
         qc = qb[:, t0:t1].reshape(nb, rows, d)
         doc = dob[:, t0:t1].reshape(nb, rows, d)
         s = bmm(qc, kb[:, :t1].transpose(0, 2, 1))
         dp = bmm(doc, vb[:, :t1].transpose(0, 2, 1))
-        softmax.backward(s, dp, lse, delta, t0, group, window, scale)
+        softmax.backward(s, dp, lse, delta, t0, group, window, scale, head_starts)
         dv[:, :t1] += bmm(s.transpose(0, 2, 1), doc).astype(acc, copy=False)
         dk[:, :t1] += bmm(dp.transpose(0, 2, 1), qc).astype(acc, copy=False)
         dqc = bmm(dp, kb[:, :t1])
@@ -370,6 +403,36 @@ def attention_backward(
     dk_out = dk.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype, order="C")
     dv_out = dv.reshape(b, kv, t, d).transpose(0, 2, 1, 3).astype(do.dtype, order="C")
     return dq, dk_out, dv_out
+
+
+def attention_with_cache(
+    xp: Any, q: Array, k: Array, v: Array, start: int, scale: float, window: int | None
+) -> Array:
+    """Causal attention of new queries against a key/value cache (inference): q
+    [B, kv_heads, n, group, D] at positions start..start+n-1, k and v [B, kv_heads, L, D] for
+    positions 0..L-1 (L = start + n, the new ones included). The same math as
+    attention_forward (scores in the compute dtype, softmax in float32, probabilities rounded
+    to the compute dtype before the product with v). Returns [B, n, kv_heads, group, D]."""
+    b, kv, n, group, d = q.shape
+    length = int(k.shape[2])
+    nb = b * kv
+    bmm = backends.of(q).batched_matmul
+    acc = accumulate_dtype(q.dtype)
+    qb = xp.ascontiguousarray(q).reshape(nb, n * group, d)
+    kb = xp.ascontiguousarray(k).reshape(nb, length, d)
+    vb = xp.ascontiguousarray(v).reshape(nb, length, d)
+    sf = bmm(qb, kb.transpose(0, 2, 1)).astype(acc) * scale
+    pos = start + xp.arange(n * group) // group
+    key = xp.arange(length)
+    invalid = key[None, :] > pos[:, None]
+    if window is not None:
+        invalid |= key[None, :] <= pos[:, None] - window
+    sf += xp.where(invalid, -np.inf, 0.0).astype(acc)
+    sf -= sf.max(axis=-1, keepdims=True)
+    xp.exp(sf, out=sf)
+    sf /= sf.sum(axis=-1, keepdims=True)
+    out = bmm(sf.astype(q.dtype), vb)
+    return out.reshape(b, kv, n, group, d).transpose(0, 2, 1, 3, 4)
 
 
 # --- SwiGLU ---------------------------------------------------------------------------------
@@ -489,6 +552,7 @@ __all__ = [
     "attention_backward",
     "attention_chunks",
     "attention_forward",
+    "attention_with_cache",
     "embedding_backward",
     "embedding_forward",
     "head_cross_entropy",
@@ -498,4 +562,5 @@ __all__ = [
     "rope_forward",
     "rope_inverse_frequencies",
     "rope_tables",
+    "score_starts",
 ]

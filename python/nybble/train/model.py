@@ -20,7 +20,7 @@ from ..backends import Backend
 from ..formats import numpy_dtype
 from ..lora.adapter import LoraAdapter
 from ..lora.config import LoraConfig
-from ..tensor import NF4Tensor, quantize
+from ..tensor import NF4Tensor
 from . import functional as F
 from .config import TransformerConfig
 from .linear import (
@@ -31,6 +31,7 @@ from .linear import (
     TrainableDense,
     matmul,
 )
+from .weights import RandomWeights, WeightSource
 
 Array = Any
 #: Projections of a decoder layer by their short name, with their path below the layer.
@@ -72,6 +73,17 @@ class _Saved:
     up: Array
 
 
+@dataclass
+class Positions:
+    """Where a batch's tokens sit: the rotary tables of their positions ([T, D], or [B, T, D]
+    when packed samples restart their positions) and, for packed batches, each token's sample
+    start [B, T] (attention stays inside a sample), else None."""
+
+    cos: Array
+    sin: Array
+    starts: Array | None = None
+
+
 class DecoderLayer:
     """One block: RMSNorm → attention (rotary, GQA, causal) → residual → RMSNorm → SwiGLU MLP →
     residual. Its norm weights live in the model's `weights`; its projections here."""
@@ -91,7 +103,22 @@ class DecoderLayer:
             return None, None
         return self._w("self_attn.q_norm"), self._w("self_attn.k_norm")
 
-    def forward(self, x: Array, keep: bool) -> tuple[Array, _Saved | None]:
+    def project(self, short: str, x: Array) -> Array:
+        """x Wᵀ (+ the projection's bias) for a projection by short name."""
+        y = self.proj[short].forward(x)
+        bias = self.model.weights.get(f"{self.prefix}.{PROJECTIONS[short]}.bias")
+        if bias is not None:
+            y += bias.astype(y.dtype, copy=False)
+        return y
+
+    def project_back(self, short: str, dy: Array) -> Array:
+        """dL/dx of `project`, and the bias's gradient when it trains."""
+        name = f"{self.prefix}.{PROJECTIONS[short]}.bias"
+        if name in self.model.views:
+            self.model.set_grad(name, dy.astype(self.model.param_dtype).sum(axis=0))
+        return self.proj[short].backward(dy)
+
+    def forward(self, x: Array, keep: bool, positions: Positions) -> tuple[Array, _Saved | None]:
         m = self.model
         cfg, xp = m.config, m.xp
         b, t, hidden = x.shape
@@ -100,11 +127,11 @@ class DecoderLayer:
         p = self.proj
         x2 = x.reshape(n, hidden)
         n1, rstd_in = m.norm.forward(x2, self._w("input_layernorm"), cfg.rms_norm_eps)
-        q = p["q_proj"].forward(n1).reshape(b, t, heads, d)
-        k = p["k_proj"].forward(n1).reshape(b, t, kv, d)
-        v = p["v_proj"].forward(n1).reshape(b, t, kv, d)
+        q = self.project("q_proj", n1).reshape(b, t, heads, d)
+        k = self.project("k_proj", n1).reshape(b, t, kv, d)
+        v = self.project("v_proj", n1).reshape(b, t, kv, d)
         del n1
-        cos, sin = m.rope(t)
+        cos, sin = positions.cos, positions.sin
         q_norm, k_norm = self._head_norms()
         qt, rstd_q = m.heads.forward(q, q_norm, cfg.rms_norm_eps, cos, sin, cfg.group_size)
         kt, rstd_k = m.heads.forward(k, k_norm, cfg.rms_norm_eps, cos, sin, 1)
@@ -114,14 +141,18 @@ class DecoderLayer:
         q_raw, k_raw = (q, k) if cfg.qk_norm else (None, None)
         del q, k, v
         attn, lse = F.attention_forward(
-            xp, qt, kt, vt, m.scale, cfg.sliding_window, m.softmax, m.attention_chunk_elements
+            xp,
+            qt,
+            kt,
+            vt,
+            m.scale,
+            cfg.sliding_window,
+            m.softmax,
+            m.attention_chunk_elements,
+            positions.starts,
         )
-        h = x2 + p["o_proj"].forward(attn.reshape(n, heads * d))
-        n2, rstd_post = m.norm.forward(h, self._w("post_attention_layernorm"), cfg.rms_norm_eps)
-        gate = p["gate_proj"].forward(n2)
-        up = p["up_proj"].forward(n2)
-        del n2
-        y = h + p["down_proj"].forward(m.gate.forward(gate, up))
+        h = x2 + self.project("o_proj", attn.reshape(n, heads * d))
+        y, rstd_post, gate, up = self.mlp(h)
         if not keep:
             for proj in p.values():
                 proj.release()
@@ -131,7 +162,20 @@ class DecoderLayer:
         )
         return y.reshape(b, t, hidden), saved
 
-    def backward(self, dy: Array, s: _Saved) -> Array:
+    def mlp(self, h: Array) -> tuple[Array, Array, Array, Array]:
+        """h + the SwiGLU MLP of h's post-attention norm (h [N, hidden]), and what its
+        backward needs: (y, the norm's rstd, gate, up)."""
+        m = self.model
+        n2, rstd_post = m.norm.forward(
+            h, self._w("post_attention_layernorm"), m.config.rms_norm_eps
+        )
+        gate = self.project("gate_proj", n2)
+        up = self.project("up_proj", n2)
+        del n2
+        y = h + self.project("down_proj", m.gate.forward(gate, up))
+        return y, rstd_post, gate, up
+
+    def backward(self, dy: Array, s: _Saved, positions: Positions) -> Array:
         m = self.model
         cfg, xp = m.config, m.xp
         b, t, hidden = dy.shape
@@ -145,11 +189,11 @@ class DecoderLayer:
         p = self.proj
         dy2 = dy.reshape(n, hidden)
         # MLP
-        da = p["down_proj"].backward(dy2)
+        da = self.project_back("down_proj", dy2)
         dgate, dup = m.gate.backward(da, s.gate, s.up)
         del da
-        dn2 = p["gate_proj"].backward(dgate)
-        dn2 += p["up_proj"].backward(dup)
+        dn2 = self.project_back("gate_proj", dgate)
+        dn2 += self.project_back("up_proj", dup)
         del dgate, dup
         dh, dw = m.norm.backward(
             dn2, s.h, s.rstd_post, self._w("post_attention_layernorm"), m.norms_trainable
@@ -157,7 +201,7 @@ class DecoderLayer:
         m.set_grad(f"{self.prefix}.post_attention_layernorm.weight", dw)
         dh += dy2
         # attention
-        do = p["o_proj"].backward(dh).reshape(b, t, kv, group, d)
+        do = self.project_back("o_proj", dh).reshape(b, t, kv, group, d)
         dq, dk, dv = F.attention_backward(
             xp,
             do,
@@ -170,9 +214,10 @@ class DecoderLayer:
             cfg.sliding_window,
             m.softmax,
             m.attention_chunk_elements,
+            positions.starts,
         )
         del do
-        cos, sin = m.rope(t)
+        cos, sin = positions.cos, positions.sin
         q_norm, k_norm = self._head_norms()
         dq, dwq = m.heads.backward(
             dq.reshape(b, t, heads, d), s.q_raw, s.rstd_q, q_norm, cos, sin, m.norms_trainable
@@ -181,9 +226,9 @@ class DecoderLayer:
         if cfg.qk_norm:
             m.set_grad(f"{self.prefix}.self_attn.q_norm.weight", dwq)
             m.set_grad(f"{self.prefix}.self_attn.k_norm.weight", dwk)
-        dn1 = p["q_proj"].backward(dq.reshape(n, heads * d))
-        dn1 += p["k_proj"].backward(dk.reshape(n, kv * d))
-        dn1 += p["v_proj"].backward(dv.reshape(n, kv * d))
+        dn1 = self.project_back("q_proj", dq.reshape(n, heads * d))
+        dn1 += self.project_back("k_proj", dk.reshape(n, kv * d))
+        dn1 += self.project_back("v_proj", dv.reshape(n, kv * d))
         del dq, dk, dv
         dx, dw = m.norm.backward(dn1, s.x, s.rstd_in, self._w("input_layernorm"), m.norms_trainable)
         m.set_grad(f"{self.prefix}.input_layernorm.weight", dw)
@@ -192,6 +237,49 @@ class DecoderLayer:
         for proj in p.values():
             proj.release()
         return dx.reshape(b, t, hidden)
+
+    def decode(self, x: Array, cache: LayerCache, start: int) -> Array:
+        """The layer over new tokens x [B, n, hidden] at positions start..start+n-1, reading
+        and extending its key/value cache (inference only: nothing is kept for backward)."""
+        m = self.model
+        cfg, xp = m.config, m.xp
+        b, t, hidden = x.shape
+        n = b * t
+        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x2 = x.reshape(n, hidden)
+        n1, _ = m.norm.forward(x2, self._w("input_layernorm"), cfg.rms_norm_eps)
+        q = self.project("q_proj", n1).reshape(b, t, heads, d)
+        k = self.project("k_proj", n1).reshape(b, t, kv, d)
+        v = self.project("v_proj", n1).reshape(b, t, kv, d)
+        cos, sin = m.rope(int(cache.k.shape[2]))
+        cos, sin = cos[start : start + t], sin[start : start + t]
+        q_norm, k_norm = self._head_norms()
+        qt, _ = m.heads.forward(q, q_norm, cfg.rms_norm_eps, cos, sin, cfg.group_size)
+        kt, _ = m.heads.forward(k, k_norm, cfg.rms_norm_eps, cos, sin, 1)
+        cache.k[:, :, start : start + t] = kt.reshape(b, kv, t, d)
+        cache.v[:, :, start : start + t] = v.transpose(0, 2, 1, 3)
+        attn = F.attention_with_cache(
+            xp,
+            qt,
+            cache.k[:, :, : start + t],
+            cache.v[:, :, : start + t],
+            start,
+            m.scale,
+            cfg.sliding_window,
+        )
+        h = x2 + self.project("o_proj", attn.reshape(n, heads * d))
+        y, _, _, _ = self.mlp(h)
+        for proj in self.proj.values():
+            proj.release()
+        return y.reshape(b, t, hidden)
+
+
+@dataclass
+class LayerCache:
+    """One layer's keys (after rotary positions) and values [B, kv_heads, capacity, D]."""
+
+    k: Array
+    v: Array
 
 
 class DecoderLM:
@@ -212,6 +300,7 @@ class DecoderLM:
         gradient_checkpointing: bool = False,
         blocksize: int = 64,
         double_quant: bool = False,
+        weights: WeightSource | None = None,
     ) -> None:
         self.config = config.validate()
         self.backend = backend
@@ -246,21 +335,17 @@ class DecoderLM:
         #: Trainable parameter names in the order of the flat buffer.
         self.trainable: list[str] = []
         self._dense_trainable: list[str] = []  # those that live in `weights` (not projections)
-        self._build(seed, blocksize, double_quant)
+        source = weights if weights is not None else RandomWeights(seed, config.initializer_range)
+        self._build(source, blocksize, double_quant)
 
     # --- construction ----------------------------------------------------------------------
 
-    def _build(self, seed: int, blocksize: int, double_quant: bool) -> None:
-        """Random weights in HF's order and distribution (normal, std initializer_range; norms
-        1), drawn on the host from one seeded generator, so both devices start the same."""
+    def _build(self, source: WeightSource, blocksize: int, double_quant: bool) -> None:
+        """Every weight from `source`, asked for once each in HF's order (a random source
+        draws them in that order, so both devices start the same)."""
         cfg = self.config
-        rng = np.random.default_rng(seed)
-        std = np.float32(cfg.initializer_range)
         full = self.lora is None
         initial: dict[str, np.ndarray] = {}
-
-        def normal(shape: tuple[int, int]) -> np.ndarray:
-            return rng.standard_normal(shape, dtype=np.float32) * std
 
         def dense(name: str, value: np.ndarray, trainable: bool) -> None:
             if trainable:
@@ -271,14 +356,14 @@ class DecoderLM:
                 self.weights[name] = self._to_device(value, self.dtype)
 
         def norm(name: str, size: int) -> None:
-            value = np.ones(size, np.float32)
+            value = source.vector(name, size, 1.0)
             if full:
                 dense(name, value, True)
             else:
                 self.weights[name] = self._to_device(value, self.param_dtype)
 
         embed = "model.embed_tokens.weight"
-        dense(embed, normal((cfg.vocab_size, cfg.hidden_size)), full)
+        dense(embed, source.matrix(embed, (cfg.vocab_size, cfg.hidden_size)), full)
         shapes = cfg.projection_shapes()
         self.layers: list[DecoderLayer] = []
         for i in range(cfg.num_hidden_layers):
@@ -292,32 +377,43 @@ class DecoderLM:
             for short, path in PROJECTIONS.items():
                 name = f"{prefix}.{path}"
                 projections[short] = self._projection(
-                    name, normal(shapes[path]), initial, blocksize, double_quant
+                    name, shapes[path], source, initial, blocksize, double_quant
                 )
+                if short in cfg.biases:
+                    bias = source.vector(f"{name}.bias", shapes[path][0], 0.0)
+                    dense(f"{name}.bias", bias, full)
             self.layers.append(DecoderLayer(self, i, projections))
         norm("model.norm.weight", cfg.hidden_size)
         if not cfg.tie_word_embeddings:
-            dense("lm_head.weight", normal((cfg.vocab_size, cfg.hidden_size)), full)
+            head = "lm_head.weight"
+            dense(head, source.matrix(head, (cfg.vocab_size, cfg.hidden_size)), full)
         self._make_flat(initial)
 
     def _projection(
         self,
         name: str,
-        w: np.ndarray,
+        shape: tuple[int, int],
+        source: WeightSource,
         initial: dict[str, np.ndarray],
         blocksize: int,
         double_quant: bool,
     ) -> Projection:
         backend = self.backend
+        weight = f"{name}.weight"
         if self.lora is None:
-            initial[f"{name}.weight"] = w
-            self.trainable.append(f"{name}.weight")
+            w = np.asarray(source.matrix(weight, shape), np.float32)
+            initial[weight] = w
+            self.trainable.append(weight)
             return TrainableDense(name, w, backend, self.dtype)  # weight: a view, once flat
-        base: Any = w
+        base: Any
         if self.quant is not None:
-            base = quantize(w, blocksize=blocksize, double_quant=double_quant)
+            base = source.quantized(weight, shape, blocksize, double_quant)
+        else:
+            base = source.matrix(weight, shape)
         if self.lora.targets(name):
             assert self.adapter is not None
+            if not isinstance(base, NF4Tensor):
+                base = np.asarray(base, np.float32)
             layer = self.adapter.add_layer(name, base)
             if backend.device == "cuda":
                 layer.cuda()
@@ -328,7 +424,7 @@ class DecoderLM:
             return projection
         if isinstance(base, NF4Tensor):
             return FrozenQuantized(name, base.cuda() if backend.device == "cuda" else base, backend)
-        return FrozenDense(name, self._to_device(w, self.dtype), backend)
+        return FrozenDense(name, self._to_device(base, self.dtype), backend)
 
     def _to_device(self, host: np.ndarray, dtype: Any) -> Array:
         return self.backend.from_host(np.ascontiguousarray(host.astype(dtype, copy=False)))
@@ -404,6 +500,16 @@ class DecoderLM:
             )
         return found
 
+    def positions(self, batch: int, length: int, starts: Array | None) -> Positions:
+        """A batch's positions: 0..length-1 in every row, or, for packed rows (`starts` [B, T]
+        on the device, int32: the index where each token's sample begins), the position of
+        each token within its sample."""
+        cos, sin = self.rope(length)
+        if starts is None:
+            return Positions(cos, sin)
+        within = self.xp.arange(length, dtype=np.int32)[None, :] - starts
+        return Positions(cos[within], sin[within], starts)
+
     def set_grad(self, name: str, grad: Array | None) -> None:
         if grad is not None:
             self.grads[name] = grad
@@ -466,31 +572,38 @@ class DecoderLM:
                 flat[b[0] : b[0] + int(np.prod(b[1]))].reshape(b[1]),
             )
 
-    def loss(self, ids: Array, targets: Array, count: int) -> Array:
+    def loss(self, ids: Array, targets: Array, count: int, starts: Array | None = None) -> Array:
         """Mean cross-entropy (a 0-d device array) of next-token predictions: ids and targets
-        [B, T] on the device, `count` targets not ignored (negative ones are)."""
+        [B, T] on the device, `count` targets not ignored (negative ones are); `starts` for
+        packed rows (see `positions`)."""
         self._cast_adapters(True)
         try:
+            positions = self.positions(int(ids.shape[0]), int(ids.shape[1]), starts)
             x = self._embed(ids)
             for layer in self.layers:
-                x, _ = layer.forward(x, keep=False)
+                x, _ = layer.forward(x, False, positions)
             loss, _ = self._final(x, targets, count, grad=False)
         finally:
             self._cast_adapters(False)
         return loss
 
-    def forward_backward(self, ids: Array, targets: Array, count: int) -> Array:
+    def forward_backward(
+        self, ids: Array, targets: Array, count: int, starts: Array | None = None
+    ) -> Array:
         """The loss of one batch, and every trainable parameter's gradient in `grads` (read
         with `flat_gradients()`)."""
         self._cast_adapters(True)
         try:
-            return self._forward_backward(ids, targets, count)
+            return self._forward_backward(ids, targets, count, starts)
         finally:
             self._cast_adapters(False)
 
-    def _forward_backward(self, ids: Array, targets: Array, count: int) -> Array:
+    def _forward_backward(
+        self, ids: Array, targets: Array, count: int, starts: Array | None
+    ) -> Array:
         cfg, xp = self.config, self.xp
         self.grads = {}
+        positions = self.positions(int(ids.shape[0]), int(ids.shape[1]), starts)
         x = self._embed(ids)
         inputs: list[Array] = []
         saved: list[_Saved | None] = []
@@ -499,9 +612,9 @@ class DecoderLM:
             if self.gradient_checkpointing:
                 inputs.append(x)
                 dropout.append(self._dropout_states(layer))
-                x, _ = layer.forward(x, keep=False)
+                x, _ = layer.forward(x, False, positions)
             else:
-                x, s = layer.forward(x, keep=True)
+                x, s = layer.forward(x, True, positions)
                 saved.append(s)
         loss, (x2, rstd, dh, dw_head) = self._final(x, targets, count, grad=True)
         del x
@@ -515,11 +628,11 @@ class DecoderLM:
             layer = self.layers[i]
             if self.gradient_checkpointing:
                 self._set_dropout_states(layer, dropout[i])
-                _, s = layer.forward(inputs.pop(), keep=True)
+                _, s = layer.forward(inputs.pop(), True, positions)
             else:
                 s = saved.pop()
             assert s is not None
-            dx = layer.backward(dx, s)
+            dx = layer.backward(dx, s, positions)
             del s
         if self.lora is None:
             embed = "model.embed_tokens.weight"
@@ -532,6 +645,35 @@ class DecoderLM:
                 self.set_grad("lm_head.weight", dw_head)
             self.set_grad(embed, de.astype(self.param_dtype, copy=False))
         return loss
+
+    # --- inference with a key/value cache ------------------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> list[LayerCache]:
+        """Empty key/value caches for `capacity` positions, one per layer."""
+        cfg = self.config
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        return [
+            LayerCache(self.xp.zeros(shape, self.dtype), self.xp.zeros(shape, self.dtype))
+            for _ in self.layers
+        ]
+
+    def next_logits(self, ids: Array, cache: list[LayerCache], start: int) -> Array:
+        """float32 logits [B, vocab] of the token after ids [B, n] (device), which sit at
+        positions start..start+n-1 after the `start` positions the caches hold; the caches
+        take the new positions' keys and values. Dropout off, nothing kept for backward."""
+        cfg = self.config
+        capacity = int(cache[0].k.shape[2])
+        t = int(ids.shape[1])
+        if start + t > capacity:
+            raise ValueError(f"the cache holds {capacity} positions; {start + t} are needed")
+        x = self._embed(ids)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer.decode(x, layer_cache, start)
+        last = x[:, -1, :]
+        h, _ = self.norm.forward(
+            self.xp.ascontiguousarray(last), self.weights["model.norm.weight"], cfg.rms_norm_eps
+        )
+        return self._mm(h, self.head_weight().T).astype(np.float32)
 
     def _dropout_states(self, layer: DecoderLayer) -> dict[str, Any]:
         return {
@@ -588,4 +730,12 @@ class DecoderLM:
         return dict(self.views)
 
 
-__all__ = ["COMPUTE_DTYPES", "PROJECTIONS", "DecoderLM", "DecoderLayer", "layer_prefix"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "PROJECTIONS",
+    "DecoderLM",
+    "DecoderLayer",
+    "LayerCache",
+    "Positions",
+    "layer_prefix",
+]

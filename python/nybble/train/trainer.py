@@ -25,9 +25,12 @@ from ..lora.adapter import LoraAdapter
 from ..lora.config import LoraConfig
 from ..lora.layers import QLoraLinear
 from ..lora.optim import AdamW
+from ..models.tokenizer import Tokenizer
 from .config import TransformerConfig
 from .linear import LoraProjection
 from .model import DecoderLM
+from .pretrained import PretrainedWeights
+from .weights import WeightSource
 
 #: Targets equal to this are ignored by the loss (HF's and torch's ignore_index).
 IGNORE_INDEX = -100
@@ -69,6 +72,8 @@ class Trainer:
         gradient_checkpointing: bool = False,
         blocksize: int = 64,
         double_quant: bool = False,
+        weights: WeightSource | None = None,
+        base_model: str | None = None,
     ) -> None:
         if not isinstance(model_config, TransformerConfig):
             raise ValueError(
@@ -96,6 +101,10 @@ class Trainer:
         self.compute_dtype = compute_dtype
         self.blocksize = blocksize
         self.double_quant = double_quant
+        #: where the base model's weights came from (None: seeded random weights)
+        self.base_model = base_model
+        #: the model's tokenizer (set by from_pretrained where the files carry one)
+        self.tokenizer: Tokenizer | None = None
         self.backend = backends.get(device)
         self.model = DecoderLM(
             model_config,
@@ -107,7 +116,10 @@ class Trainer:
             gradient_checkpointing=gradient_checkpointing,
             blocksize=blocksize,
             double_quant=double_quant,
+            weights=weights,
         )
+        if self.model.adapter is not None and base_model is not None:
+            self.model.adapter.base_model_name_or_path = base_model
         self.optimizer = AdamW(
             {FLAT: self.model.flat},
             lr=lr,
@@ -115,6 +127,49 @@ class Trainer:
             accumulation_steps=accumulation_steps,
             max_grad_norm=max_grad_norm,
         )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        lora: LoraConfig | None = None,
+        quant: str | None = None,
+        device: str = "cpu",
+        **kwargs: Any,
+    ) -> Trainer:
+        """A trainer over a pretrained model: `path` is a Hugging Face checkpoint folder (dense,
+        or 4-bit from bitsandbytes or `nybble quantize`, read as stored), a Hub id whose files
+        are in the local HF cache, or a .gguf file. With quant="nf4" every frozen projection
+        is quantized as it is read, one tensor at a time. The tokenizer, where the files carry
+        one, is `trainer.tokenizer`. Other keyword arguments are the constructor's."""
+        from ..models import open_model
+
+        with open_model(path) as files:
+            where = str(files.path / "config.json") if files.path.is_dir() else str(files.path)
+            config = TransformerConfig.from_hf(files.config, where=where)
+            source = PretrainedWeights(files)
+            trainer = cls(
+                config, lora, quant=quant, device=device, weights=source,
+                base_model=os.fspath(path), **kwargs,
+            )  # fmt: skip
+            unused = [
+                n
+                for n in source.unused()
+                if not (n == "lm_head.weight" and config.tie_word_embeddings)
+                and not n.endswith("rotary_emb.inv_freq")
+            ]
+            if unused:
+                raise FormatError(
+                    files.path,
+                    f"holds {len(unused)} tensor(s) the {config.model_type} model does not use "
+                    "(another architecture?)",
+                    unused[0],
+                )
+            try:
+                trainer.tokenizer = files.tokenizer()
+            except FormatError:
+                trainer.tokenizer = None  # token ids still work; text needs a tokenizer
+        return trainer
 
     # --- what it is ---------------------------------------------------------------------------
 
@@ -174,6 +229,7 @@ class Trainer:
             "accumulation_steps": self.optimizer.accumulation_steps,
             "max_grad_norm": self.optimizer.max_grad_norm,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "base_model": self.base_model,
         }
 
     # --- training -----------------------------------------------------------------------------
