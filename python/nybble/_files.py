@@ -64,9 +64,10 @@ def temporary_directory(target: str | os.PathLike[str]) -> Path:
     return path
 
 
-def finish_temporary(path: Path) -> None:
-    """Gives a fully written temporary the mode of a normal file and flushes it to disk."""
-    os.chmod(path, new_file_mode())
+def finish_temporary(path: Path, mode: int | None = None) -> None:
+    """Gives a fully written temporary the mode of a normal file (or `mode`) and flushes it
+    to disk."""
+    os.chmod(path, new_file_mode() if mode is None else mode)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -74,14 +75,14 @@ def finish_temporary(path: Path) -> None:
         os.close(fd)
 
 
-def write_temporary(target: str | os.PathLike[str], data: bytes) -> Path:
-    """Writes `data` to a new temporary beside `target` (flushed, final mode) and returns its
-    path, for `replace_file`; nothing is left behind on failure."""
+def write_temporary(target: str | os.PathLike[str], data: bytes, mode: int | None = None) -> Path:
+    """Writes `data` to a new temporary beside `target` (flushed, with a normal file's mode
+    or `mode`) and returns its path, for `replace_file`; nothing is left behind on failure."""
     fd, path = temporary_path(target)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        finish_temporary(path)
+        finish_temporary(path, mode)
     except BaseException:
         path.unlink(missing_ok=True)
         raise

@@ -165,6 +165,20 @@ class SafeTensorsFile:
                     pass
             if not agree:
                 raise FormatError(self.path, "the header reads differently than expected", name)
+            if dtype not in DTYPES:
+                raise FormatError(
+                    self.path,
+                    f"dtype {dtype}, which nybble does not read (it reads {', '.join(DTYPES)})",
+                    name,
+                )
+            if not _numpy_holds(shape):
+                raise FormatError(
+                    self.path,
+                    f"shape {list(shape)} is beyond what numpy arrays can hold (at most "
+                    f"{_MAX_DIMS} dimensions, and fewer than 2**60 elements counting empty "
+                    "dimensions as 1)",
+                    name,
+                )
             entries[name] = TensorInfo(name, dtype, shape, 8 + n + begin, end - begin)
         return entries, {str(k): str(v) for k, v in meta.items()}
 
@@ -246,6 +260,20 @@ class SafeTensorsFile:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+#: numpy's limit on dimensions (NPY_MAXDIMS: 64 since numpy 2, 32 before).
+_MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+
+
+def _numpy_holds(shape: Sequence[int]) -> bool:
+    """Whether numpy can make an array of `shape` of any dtype nybble reads (8 bytes an
+    element at most: fewer than 2**63 bytes). An empty tensor of a huge shape is valid
+    safetensors, but numpy checks its size as if empty dimensions were 1."""
+    elements = 1
+    for d in shape:
+        elements *= max(d, 1)
+    return len(shape) <= _MAX_DIMS and elements < 2**60
 
 
 def _is_regular(fd: int) -> bool:

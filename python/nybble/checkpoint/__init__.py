@@ -11,7 +11,7 @@ from ._output import DEFAULT_MAX_SHARD_SIZE
 from ._pipeline import Progress, ProgressBar
 from ._source import Checkpoint
 from .dequantize import dequantize_checkpoint
-from .inspect import ErrorStats, Inspection, TensorEntry, inspect_checkpoint
+from .inspect import ErrorStats, ErrorTotals, Inspection, TensorEntry, inspect_checkpoint
 from .merge import Adapter, merge_adapter
 from .quantize import quantize_checkpoint
 
@@ -21,6 +21,7 @@ __all__ = [
     "Adapter",
     "Checkpoint",
     "ErrorStats",
+    "ErrorTotals",
     "Inspection",
     "Layout",
     "Progress",

@@ -30,8 +30,10 @@ def add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-shard-size",
         default=f"{DEFAULT_MAX_SHARD_SIZE // 10**9}GB",
-        help="largest output shard, as transformers' save_pretrained shards (GB are "
-        "decimal; also MB, GiB, MiB, or bytes)",
+        help="largest output shard, as transformers' save_pretrained shards: a number of "
+        "bytes, or with a unit: KB, MB, GB, TB are powers of 1000 (GB = 10^9 bytes, as "
+        "huggingface_hub reads 5GB), KiB, MiB, GiB, TiB powers of 1024 (GiB = 2^30 bytes); "
+        "a tensor larger than this gets a shard of its own",
     )
     p.add_argument(
         "--device",
@@ -60,6 +62,8 @@ def progress(label: str) -> ProgressBar:
 
 
 def print_report(report: Report, as_json: bool) -> None:
+    for note in report.notes:  # on stderr, so that --json output stays one object
+        print(f"nybble {report.action}: note: {note}", file=sys.stderr)
     if as_json:
         print_json(report.summary())
         return

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+#: Sizes must stay below this (safetensors' offsets are unsigned 64-bit).
+MAX_SIZE = 2**64
 #: Decoder layers' weights (Llama, Qwen, Mistral, Gemma, Phi-3 and most others name them so).
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 
@@ -60,21 +63,34 @@ def dtype_name(value: Any, what: str = "dtype") -> OutputDtype:
 
 
 def parse_size(value: Any, what: str = "max_shard_size") -> int:
-    """Bytes from an int or a string such as "5GB" (decimal, as huggingface_hub reads it)
-    or "2GiB" (binary)."""
+    """Bytes from an int or a string such as "5GB" (decimal: GB = 10**9 bytes, as
+    huggingface_hub reads it) or "2GiB" (binary: GiB = 2**30 bytes), read exactly (no float
+    rounding); at least 1 byte and below 2**64 (safetensors' offsets are 64-bit)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = value, ""
+        size = Fraction(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
         if m is None or m[2].upper() not in _SIZE_UNITS:
-            raise ValueError(f"{what} must be a size such as 5GB or 500MiB, got {value!r}")
-        number, unit = float(m[1]), m[2].upper()  # type: ignore[assignment]
+            raise ValueError(f"{what} must be a size such as 5GB or 500MiB, got {_short(value)}")
+        whole, _, part = m[1].partition(".")
+        # Digits beyond these change nothing but could exceed int()'s limit on digits.
+        whole = whole.lstrip("0")[:21] or "0"
+        size = Fraction(f"{whole}.{part[:30] or 0}") * _SIZE_UNITS[m[2].upper()]
     else:
         raise ValueError(f"{what} must be a size such as 5GB or a number of bytes, got {value!r}")
-    size = int(number * _SIZE_UNITS[unit])
     if size < 1:
-        raise ValueError(f"{what} must be at least 1 byte, got {value!r}")
-    return size
+        raise ValueError(f"{what} must be at least 1 byte, got {_short(value)}")
+    if size >= MAX_SIZE:
+        raise ValueError(
+            f"{what} must be below 2**64 bytes (16 EiB, safetensors' limit), got {_short(value)}"
+        )
+    return int(size)
+
+
+def _short(value: Any) -> str:
+    """repr(value), shortened when long (a size of 400 digits, say)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-10:]} ({len(text)} characters)"
 
 
 def compute_backend(device: str) -> backends.Backend:
@@ -147,8 +163,9 @@ def module_kind(name: str) -> str:
 
 @dataclass
 class Report:
-    """What a tool did: the files written, bytes read and written, seconds taken, and the
-    weights by what happened to them (quantized, converted, dequantized, merged, copied)."""
+    """What a tool did: the files written, bytes read and written, seconds taken, the
+    weights by what happened to them (quantized, converted, dequantized, merged, copied),
+    and notes (the input's files left out of the output, and why)."""
 
     action: str
     source: str
@@ -158,6 +175,8 @@ class Report:
     bytes_written: int = 0
     seconds: float = 0.0
     weights: dict[str, list[str]] = field(default_factory=dict)
+    #: What the user should know: files of the input not copied, and why.
+    notes: list[str] = field(default_factory=list)
 
     def count(self, what: str) -> int:
         return len(self.weights.get(what, []))
@@ -173,6 +192,7 @@ class Report:
             "seconds": round(self.seconds, 3),
             "gb_per_s": round(self.bytes_read / self.seconds / 1e9, 3) if self.seconds else None,
             **{what: len(names) for what, names in self.weights.items()},
+            "notes": self.notes,
         }
 
 

@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 from .._files import new_directory_mode, remove_stale_temporaries, replace_file, write_temporary
 from ..errors import FormatError
 from ..safetensors_io import Entry, StreamWriter
-from ._source import INDEX_FILE, SINGLE_FILE
+from ._source import INDEX_FILE, SINGLE_FILE, ExtraFile
 
 #: transformers' default max_shard_size ("5GB", decimal as huggingface_hub reads it).
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -70,18 +71,29 @@ class OutputDirectory:
     def path(self, name: str) -> Path:
         return self.staging / name
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        replace_file(write_temporary(self.path(name), data), self.path(name))
+    def write_bytes(self, name: str, data: bytes, mode: int | None = None) -> None:
+        replace_file(write_temporary(self.path(name), data, mode), self.path(name))
 
     def write_json(self, name: str, obj: Any) -> None:
         """JSON as transformers writes its files (2-space indent, sorted keys)."""
         text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         self.write_bytes(name, text.encode("utf-8"))
 
-    def copy(self, source: Path) -> None:
-        """A copy of a file (its content, following links) under the same name."""
-        with open(source, "rb") as f:
-            self.write_bytes(source.name, f.read())
+    def copy(self, name: str, source: Path) -> None:
+        """A copy of the regular file `source` under `name`, with the source's permission
+        bits (a file only its owner may read stays so). The file is opened without following
+        a link and without blocking, and must still be a regular file once open."""
+        flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(source, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise FormatError(source, f"cannot be copied ({e.strerror or e})") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(source, "is no longer a regular file (changed while copied)")
+            data = f.read()
+        self.write_bytes(name, data, stat.S_IMODE(st.st_mode) & 0o777)
 
     def commit(self) -> None:
         """Puts the staging directory in place of the target (atomically)."""
@@ -216,6 +228,10 @@ class ShardedWriter:
                 f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}"
             )
         self.out = out
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"the output would hold tensors named twice: {twice[:3]}")
         plan = shard_plan(entries, max_shard_size)
         self.names = shard_names(len(plan))
         self._shard_of: dict[str, int] = {}
@@ -268,6 +284,42 @@ def without_quantization(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
-def copy_files(out: OutputDirectory, files: Iterable[Path]) -> None:
+def copy_files(out: OutputDirectory, files: Iterable[ExtraFile]) -> None:
     for f in files:
-        out.copy(f)
+        out.copy(f.name, f.path)
+
+
+def check_apart(target: str | os.PathLike[str], inputs: Mapping[str, Any]) -> None:
+    """Refuses an output directory that is, holds or lies inside one of `inputs` (what ->
+    path), symlinks resolved: putting it in place would delete the input (or the staging
+    directory would be built inside it). Called before anything is read or written."""
+    for what, source in inputs.items():
+        if _within(Path(source), Path(target)):
+            how = "is" if _within(Path(target), Path(source)) else "contains"
+        elif _within(Path(target), Path(source)):
+            how = "lies inside"
+        else:
+            continue
+        raise ValueError(
+            f"target {os.fspath(target)!r} {how} the {what} {os.fspath(source)!r}; the output "
+            f"directory must be apart from the {what} (not it, not inside it, not holding it), "
+            f"so that writing it cannot change or delete the {what}"
+        )
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    """Whether `inner` is `outer` or lies inside it, links resolved; by device and inode too
+    where they exist (a bind mount, or another spelling on a case-insensitive system)."""
+    a, b = Path(os.path.realpath(inner)), Path(os.path.realpath(outer))
+    if a.is_relative_to(b):
+        return True
+    try:
+        st = os.stat(b)
+    except OSError:
+        return False
+    for p in (a, *a.parents):
+        with contextlib.suppress(OSError):
+            s = os.stat(p)
+            if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    return False

@@ -19,6 +19,7 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 
+from ..errors import FormatError
 from ..safetensors_io import Entry
 from ._common import Report, written_files
 from ._output import OutputDirectory, ShardedWriter, copy_files
@@ -279,8 +280,10 @@ def write_checkpoint(
 ) -> None:
     """Writes the results of `tasks` as the safetensors shards of a new checkpoint directory
     `target`, with `config` as its config.json (none when None) and the source's other files
-    copied; the directory appears whole or not at all. Counts the bytes read and the files and
-    bytes written in `report`."""
+    copied (those left out noted in `report.notes`); the directory appears whole or not at all.
+    Counts the bytes read and the files and bytes written in `report`."""
+    _check_unique_outputs(source, tasks)
+    extra, report.notes = source.extra_files()
     with OutputDirectory(target, overwrite) as out:
         writer = ShardedWriter(out, [e for t in tasks for e in t.outputs], shard_size)
         try:
@@ -291,7 +294,24 @@ def write_checkpoint(
             raise
         if config is not None:
             out.write_json(CONFIG_FILE, config)
-        copy_files(out, source.extra_files())
+        copy_files(out, extra)
         out.commit()
     report.bytes_read = source.nbytes
     report.files, report.bytes_written = written_files(out.target)
+
+
+def _check_unique_outputs(source: Checkpoint, tasks: Sequence[Task]) -> None:
+    """FormatError for two tasks writing a tensor of one name (a copied tensor named as
+    one of a quantized weight's own, say), naming both sources, before anything is written."""
+    made_by: dict[str, Task] = {}
+    for task in tasks:
+        for e in task.outputs:
+            other = made_by.setdefault(e.name, task)
+            if other is not task:
+                raise FormatError(
+                    source.file_of(task.inputs[0]),
+                    f"the output would hold two tensors of this name: one made from "
+                    f"{', '.join(other.inputs[:2])}, one from {', '.join(task.inputs[:2])} "
+                    "(rename or remove one of them in the input)",
+                    e.name,
+                )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -126,6 +127,16 @@ class Checkpoint:
         for file, f in self.files.items():
             names = listed[file]
             for key in f.keys():
+                other = self._weight_map.get(key)
+                if other is not None and other != file and key in self.files[other]:
+                    raise FormatError(
+                        f.path,
+                        f"this name appears twice, in {file} and in {other} (which "
+                        f"{INDEX_FILE} names): a checkpoint holds each name once",
+                        key,
+                    )
+                if other is not None and other != file:
+                    raise FormatError(f.path, f"{INDEX_FILE} says it is in {other}", key)
                 if key not in names:
                     raise FormatError(f.path, f"not listed in {INDEX_FILE}", key)
                 self._where[key] = (f, f.info(key))
@@ -168,25 +179,44 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(info.nbytes for _, info in self._where.values())
 
-    def extra_files(self) -> list[Path]:
+    def extra_files(self) -> tuple[list[ExtraFile], list[str]]:
         """The directory's other top-level files (tokenizer, generation config, README, ...),
-        to copy beside new weights: everything but config.json, the index and weight files.
-        None for a lone .safetensors file."""
+        to copy beside new weights: everything but config.json, the index, weight files and
+        hidden entries. None for a lone .safetensors file. Returns the files to copy and a
+        note for each entry left out: a subdirectory, a FIFO, socket or device (never opened),
+        a broken link, a link to a file outside the directory (so a checkpoint cannot make
+        the tools copy, say, /etc/shadow into an output others can read). A link to a regular
+        file inside the directory is copied as that file; so is a link of the Hugging Face
+        cache's layout, from `<repo>/snapshots/<revision>/` into `<repo>/blobs/`."""
         if self.path != self.directory:
-            return []
-        out = []
+            return [], []
+        files: list[ExtraFile] = []
+        notes: list[str] = []
+        root = Path(os.path.realpath(self.directory))
         for entry in sorted(os.scandir(self.directory), key=lambda e: e.name):
             name = entry.name
             if name.startswith(".") or name in (CONFIG_FILE, INDEX_FILE):
                 continue
             if name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json"):
                 continue
+            path = Path(entry.path)
+            why = None
+            if path.is_symlink():
+                target = Path(os.path.realpath(path))
+                if not (target.is_relative_to(root) or _in_hub_blobs(target, root)):
+                    why = "a symbolic link to a file outside the checkpoint's directory"
+                path = target
             try:
-                if stat.S_ISREG(os.stat(entry.path).st_mode):  # follows links (the Hub cache)
-                    out.append(Path(entry.path))
+                mode = path.stat(follow_symlinks=False).st_mode
             except OSError:
-                continue
-        return out
+                mode = None
+            if why is None:
+                why = _not_a_file(mode)
+            if why is None:
+                files.append(ExtraFile(name, path))
+            else:
+                notes.append(f"not copied: {name} ({why})")
+        return files, notes
 
     def close(self) -> None:
         for f in self.files.values():
@@ -199,6 +229,38 @@ class Checkpoint:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ExtraFile:
+    """A file copied beside the new weights: its name, and the regular file to read (the
+    entry itself, or the file a symbolic link in the directory points to)."""
+
+    name: str
+    path: Path
+
+
+def _not_a_file(mode: int | None) -> str | None:
+    """Why an entry of this mode (None: gone) is not copied, or None for a regular file."""
+    if mode is None:
+        return "a broken symbolic link"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory: only the top-level files are copied"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO, not a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a regular file"
+    return "a device or other special file, not a regular file"
+
+
+def _in_hub_blobs(target: Path, snapshot: Path) -> bool:
+    """Whether `target` (resolved) is a blob of the Hugging Face cache repository whose
+    snapshot `snapshot` (resolved) is: `<repo>/snapshots/<revision>` -> `<repo>/blobs/<hash>`.
+    Both paths are free of links, so `blobs` itself is no link to elsewhere."""
+    repo = snapshot.parent.parent
+    return snapshot.parent.name == "snapshots" and target.parent == repo / "blobs"
 
 
 def _plain_file_name(name: str) -> bool:

@@ -17,7 +17,7 @@ from ..tensor import NF4Tensor
 from . import _layouts
 from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name
 from ._layouts import QuantGroup
-from ._output import DEFAULT_MAX_SHARD_SIZE, without_quantization
+from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
 from ._source import Checkpoint
 
@@ -35,15 +35,23 @@ def dequantize_checkpoint(
     """Writes the checkpoint at `source` with every quantized weight dequantized, to `dtype`
     (bfloat16, float16, float32; by default the dtype each weight was quantized from), and
     config.json without its quantization config. Other tensors and files are copied as they
-    are. FormatError for a malformed input, naming the file and the tensor or field."""
+    are. FormatError for a malformed input, naming the file and the tensor or field, and
+    for a checkpoint without quantized weights (nothing to do: nothing is written)."""
     from ._common import parse_size
 
     timer = Timer()
+    check_apart(target, {"input": source})
     out_dtype = None if dtype is None else dtype_name(dtype)
     shard_size = parse_size(max_shard_size)
     backend = compute_backend(device)
     with Checkpoint(source) as ckpt:
         groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        if not groups:  # a copy would look like success and change nothing
+            raise FormatError(
+                ckpt.path,
+                "holds no quantized weight (nybble's or bitsandbytes' 4-bit layout): nothing "
+                "to dequantize, nothing written",
+            )
         group_of = {name: g for g in groups.values() for name in g.members}
         tasks: list[Task] = []
         done: dict[str, list[str]] = {"dequantized": [], "copied": []}

@@ -35,6 +35,48 @@ class ErrorStats:
     relative_rmse: float | None  # None against an all-zero reference
     snr_db: float | None  # None when the weight equals its reference
     max_block_relative: float | None = None
+    reference_rms: float = 0.0
+
+
+@dataclass
+class ErrorTotals:
+    """The errors of a group of weights (a format, or all) against the reference, as if
+    they were one tensor: largest and mean absolute error, RMSE relative to the reference's
+    RMS, SNR (None when equal), largest error relative to a block's absmax (quantized
+    weights only); `weights` compared, `not_compared` (absent from the reference, ...)."""
+
+    weights: int = 0
+    parameters: int = 0
+    max_abs: float = 0.0
+    mean_abs: float = 0.0
+    relative_rmse: float | None = None
+    snr_db: float | None = None
+    max_block_relative: float | None = None
+    not_compared: int = 0
+
+    @classmethod
+    def of(cls, entries: list[TensorEntry]) -> ErrorTotals:
+        out = cls()
+        abs_sum = sq_sum = ref_sq = 0.0
+        for e in entries:
+            s = e.error
+            if s is None:
+                out.not_compared += 1
+                continue
+            n = e.parameters
+            out.weights += 1
+            out.parameters += n
+            out.max_abs = max(out.max_abs, s.max_abs)
+            abs_sum += s.mean_abs * n
+            sq_sum += s.rmse**2 * n
+            ref_sq += s.reference_rms**2 * n
+            if s.max_block_relative is not None:
+                out.max_block_relative = max(out.max_block_relative or 0.0, s.max_block_relative)
+        if out.parameters:
+            out.mean_abs = abs_sum / out.parameters
+            out.relative_rmse = math.sqrt(sq_sum / ref_sq) if ref_sq else None
+            out.snr_db = 10 * math.log10(ref_sq / sq_sum) if sq_sum and ref_sq else None
+        return out
 
 
 @dataclass
@@ -78,6 +120,9 @@ class Inspection:
     formats: dict[str, Totals] = field(default_factory=dict)
     total: Totals = field(default_factory=Totals)
     reference: str | None = None
+    #: With a reference: the errors per format, and of all weights.
+    errors: dict[str, ErrorTotals] = field(default_factory=dict)
+    error_total: ErrorTotals | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -91,8 +136,9 @@ class Inspection:
 def inspect_checkpoint(
     path: str | os.PathLike[str], reference: str | os.PathLike[str] | None = None
 ) -> Inspection:
-    """Reads headers (and, with `reference`, every weight present in both) one tensor at a
-    time. FormatError for malformed files, as the other tools."""
+    """Reads headers (and, with `reference`, every weight present in both, whose errors are
+    summed up per format in `errors` and over all in `error_total`) one tensor at a time.
+    FormatError for malformed files, as the other tools."""
     with Checkpoint(path) as ckpt:
         groups = _layouts.find_groups(ckpt.names(), ckpt.path)
         group_of = {n: g for g in groups.values() for n in g.members}
@@ -124,6 +170,10 @@ def inspect_checkpoint(
         result.kinds.setdefault(e.kind, Totals()).add(e)
         result.formats.setdefault(e.format, Totals()).add(e)
         result.total.add(e)
+    if result.reference is not None:
+        for name in result.formats:
+            result.errors[name] = ErrorTotals.of([e for e in result.entries if e.format == name])
+        result.error_total = ErrorTotals.of(result.entries)
     return result
 
 
@@ -205,6 +255,7 @@ def error_stats(
         relative_rmse=rmse / rms if rms else None,
         snr_db=20 * math.log10(rms / rmse) if rmse and rms else None,
         max_block_relative=max_block if blocksize is not None else None,
+        reference_rms=rms,
     )
 
 

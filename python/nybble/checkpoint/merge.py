@@ -32,7 +32,7 @@ from ._common import (
     parse_size,
 )
 from ._layouts import QuantGroup
-from ._output import DEFAULT_MAX_SHARD_SIZE, without_quantization
+from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
 from ._source import Checkpoint
 from .dequantize import dequantize_task
@@ -76,6 +76,7 @@ def merge_adapter(
     weight's). An adapter module with no weight in the base, or of another shape, is a
     FormatError naming it."""
     timer = Timer()
+    check_apart(target, {"base": base, "adapter": adapter})
     out_dtype = None if dtype is None else dtype_name(dtype)
     shard_size = parse_size(max_shard_size)
     backend = compute_backend(device)

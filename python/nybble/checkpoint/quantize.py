@@ -28,7 +28,7 @@ from ._common import (
     select_targets,
 )
 from ._layouts import Layout, QuantGroup, QuantSpec
-from ._output import DEFAULT_MAX_SHARD_SIZE
+from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
 from ._source import CONFIG_FILE, Checkpoint
 
@@ -62,6 +62,7 @@ def quantize_checkpoint(
     are copied. `target` must not exist unless `overwrite`; it appears complete or not at all.
     FormatError for a malformed input, naming the file and the tensor or field."""
     timer = Timer()
+    check_apart(target, {"input": source})
     if layout not in _layouts.LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(_layouts.LAYOUTS)}, got {layout!r}")
     spec = QuantSpec(codebook, blocksize, double_quant).check()

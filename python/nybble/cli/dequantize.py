@@ -12,7 +12,8 @@ _DESCRIPTION = """\
 Dequantize a checkpoint: every quantized weight of IN (nybble's layout, or bitsandbytes'
 4-bit layout as transformers saves it) is written dense to OUT, with config.json without its
 quantization_config; other tensors and files are copied as they are. OUT appears complete or
-not at all."""
+not at all. IN without any quantized weight (a dense checkpoint) is an error (exit 1) and
+nothing is written: there is nothing to dequantize."""
 
 _EPILOG = f"""\
 examples:

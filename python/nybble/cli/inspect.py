@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from ..checkpoint import _cli
-from ..checkpoint.inspect import Inspection, Totals, inspect_checkpoint
+from ..checkpoint.inspect import ErrorTotals, Inspection, Totals, inspect_checkpoint
 from ._common import format_table, print_json
 
 _DESCRIPTION = """\
@@ -17,7 +17,8 @@ tensors) with its kind, format, dtype, shape, parameters and bytes, then totals 
 kind and per format. Only the headers are read, unless --reference names a dense checkpoint:
 then each weight present in both is compared with it (dequantized a block run at a time):
 largest and mean absolute error, RMSE relative to the reference's RMS, SNR, and the largest
-error relative to its block's absmax (NF4 keeps it below 0.16)."""
+error relative to its block's absmax (NF4 keeps it below 0.16), and the same figures per
+format and over all weights (the only error figures --summary shows)."""
 
 _EPILOG = f"""\
 examples:
@@ -41,7 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument(
         "--reference", metavar="DIR", default=None, help="dense checkpoint to compare with"
     )
-    p.add_argument("--summary", action="store_true", help="totals only, no row per tensor")
+    p.add_argument(
+        "--summary",
+        action="store_true",
+        help="totals only (and with --reference the errors per format), no row per tensor",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
 
@@ -60,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     print(_totals_table("kind", result.kinds, result.total))
     print()
     print(_totals_table("format", result.formats, result.total))
+    if result.error_total is not None:
+        print()
+        print(_errors_table(result.errors, result.error_total))
     return 0
 
 
@@ -94,6 +102,27 @@ def _tensor_table(result: Inspection) -> str:
                 ]
         rows.append(row)
     return format_table(headers, rows)
+
+
+def _errors_table(errors: dict[str, ErrorTotals], total: ErrorTotals) -> str:
+    """The errors against the reference per format and over all weights compared."""
+    rows: list[list[Any]] = []
+    for name, t in [*sorted(errors.items()), ("total", total)]:
+        rows.append(
+            [
+                name,
+                t.weights,
+                t.parameters,
+                f"{t.max_abs:.4g}",
+                f"{t.mean_abs:.4g}",
+                "" if t.relative_rmse is None else f"{t.relative_rmse:.4g}",
+                ("exact" if t.weights else "") if t.snr_db is None else f"{t.snr_db:.1f}",
+                "" if t.max_block_relative is None else f"{t.max_block_relative:.4f}",
+                t.not_compared,
+            ]
+        )
+    headers = ["vs reference", "compared", "params", "max abs err", "mean abs err", "rel rmse"]
+    return format_table([*headers, "snr dB", "max err/absmax", "not compared"], rows)
 
 
 def _totals_table(what: str, totals: dict[str, Totals], total: Totals) -> str:
