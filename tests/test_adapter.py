@@ -328,6 +328,42 @@ def test_an_interrupted_save_is_refused_not_loaded(tmp_path: Path) -> None:
     assert e.source == str(tmp_path / "b" / "adapter_config.json")
 
 
+def test_a_pending_save_is_the_adapter_until_moved_in(tmp_path: Path) -> None:
+    """The states a save over an existing adapter passes through (the kill tests reach them
+    by SIGKILL, tests/test_kill_writers.py): the new files committed in `PENDING`, then moved
+    in one by one. Each loads as the new adapter; a pending config that the weights beside it
+    do not record (other weights written since, by another tool) is stale and ignored."""
+    from nybble.lora.adapter import PENDING
+
+    old, new = small_adapter(), small_adapter()
+    new.config = new.config.with_(alpha=2.0)
+    base = {f"{n}.weight": layer.weight for n, layer in old.layers.items()}
+    weights, config = "adapter_model.safetensors", "adapter_config.json"
+
+    def state(moved: tuple[str, ...]) -> Path:
+        d = tmp_path / f"moved-{len(moved)}"
+        old.save_pretrained(d)
+        new.save_pretrained(tmp_path / "new")
+        (tmp_path / "new").rename(d / PENDING)
+        for name in moved:
+            (d / PENDING / name).replace(d / name)
+        return d
+
+    for moved in ((), (weights,), (weights, config)):
+        d = state(moved)
+        assert LoraAdapter.from_pretrained(d, base).config.alpha == 2.0, moved
+        old.save_pretrained(d)  # finishes the pending save first, then saves
+        assert sorted(p.name for p in d.iterdir()) == [config, weights]
+        assert LoraAdapter.from_pretrained(d, base).config.alpha == old.config.alpha
+    # Stale: the weights were rewritten by another tool (no digest) after a kill.
+    d = state((weights,))
+    foreign = dict(nybble.safetensors_io.load(d / weights))
+    nybble.safetensors_io.save(foreign, d / weights, {"format": "pt"})
+    assert LoraAdapter.from_pretrained(d, base).config.alpha == old.config.alpha
+    old.save_pretrained(d)
+    assert sorted(p.name for p in d.iterdir()) == [config, weights]
+
+
 def test_saves_keep_the_umask_and_leave_no_temporaries(tmp_path: Path) -> None:
     import os
 

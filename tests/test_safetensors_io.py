@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import struct
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -253,3 +257,91 @@ def test_stream_writer_refuses_misuse_and_leaves_nothing(tmp_path: Path) -> None
     with pytest.raises(RuntimeError), st.StreamWriter(target, [st.Entry("a", "F32", (2,))]):
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the library's own temporaries -----------------------------------------------------------
+
+
+def _writers(folder: Path) -> dict[str, Callable[[], None]]:
+    """The writers that hand arrays to the library's serializer: `save`, and adapter saves
+    (new directory, and over an existing adapter)."""
+    from nybble import LoraAdapter, LoraConfig
+
+    adapter = LoraAdapter(LoraConfig(r=2, alpha=4, target_modules=("q_proj",)))
+    adapter.add_layer("model.q_proj", np.ones((4, 6), np.float32))
+    return {
+        "save": lambda: st.save({"a": np.ones(3, np.float32)}, folder / "t.safetensors"),
+        "adapter": lambda: adapter.save_pretrained(folder / "adapter"),
+    }
+
+
+def _killed_inside_the_library(writer: str, folder: Path) -> None:
+    """Runs `writer` in a forked child whose serializer makes its temporary as the library
+    does (`.tmpXXXXXX` beside the path it is given) and is then SIGKILLed."""
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+
+            def killed(specs: Any, path: Any, metadata: Any = None) -> None:
+                (Path(path).parent / ".tmpAbC123").write_bytes(b"partial")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            safetensors.serialize_file = killed  # type: ignore[assignment]
+            _writers(folder)[writer]()
+        finally:
+            os._exit(3)  # not reached when killed
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def _everything_under(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("writer", ["save", "adapter"])
+def test_the_librarys_temporaries_of_a_killed_write_are_swept(tmp_path: Path, writer: str) -> None:
+    """A kill inside the library's serializer leaves its `.tmpXXXXXX` only inside a directory
+    named as nybble's temporaries, which the next write beside the target sweeps; files that
+    are not certainly nybble's (another program's `.tmp` file) are left alone."""
+    (tmp_path / ".tmpForeign").write_bytes(b"not ours")
+    _writers(tmp_path)[writer]()  # a complete write first (the adapter: over an existing one)
+    complete = _everything_under(tmp_path)
+    for _ in range(3):
+        _killed_inside_the_library(writer, tmp_path)
+    left = _everything_under(tmp_path) - complete
+    assert left and not any(Path(p).parent == Path(".") and "tmpAbC" in p for p in left), left
+    _writers(tmp_path)[writer]()
+    assert _everything_under(tmp_path) == complete
+    assert (tmp_path / ".tmpForeign").read_bytes() == b"not ours"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_real_kill_while_the_library_writes_leaves_nothing_after_the_next_save(
+    tmp_path: Path,
+) -> None:
+    """The same with the real serializer: a child saves a large tensor again and again and is
+    killed once the library's temporary exists; the next save leaves only its file."""
+    path = tmp_path / "big.safetensors"
+    big = {"a": np.ones(16 * 2**20, np.float32)}
+    seen = 0
+    for _ in range(20):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                while True:
+                    st.save(big, path)
+            finally:
+                os._exit(3)
+        deadline = time.monotonic() + 30
+        while not any(p.name.startswith(".tmp") for p in tmp_path.rglob("*")):
+            assert time.monotonic() < deadline, "the writer never made a temporary"
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        seen += any(p.name.startswith(".tmp") for p in tmp_path.rglob("*"))
+        st.save({"a": np.ones(2, np.float32)}, path)
+        assert _everything_under(tmp_path) == {"big.safetensors"}
+        if seen >= 3:
+            break
+    assert seen >= 3, "no kill landed while the library's temporary existed"

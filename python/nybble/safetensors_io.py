@@ -14,7 +14,9 @@ opens; `get` returns a numpy array for those numpy (with ml_dtypes) can hold (BF
 `ml_dtypes.bfloat16`, the F8 types as ml_dtypes' float8 types), `raw` the bytes of any.
 
 Writing: `save` / `save_temporary` hand the arrays to the library's serializer, writing a
-temporary beside the target that is renamed into place. `StreamWriter` writes a file tensor
+temporary beside the target that is renamed into place (the library's own temporary goes
+into a private directory named as nybble's temporaries, so a kill leaves nothing that the
+next write does not sweep). `StreamWriter` writes a file tensor
 by tensor (for checkpoints larger than memory); every file it finishes is opened by the
 library before it is handed back.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import struct
 import sys
 import weakref
@@ -37,7 +40,7 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from ._files import finish_temporary, replace_file, temporary_path
+from ._files import finish_temporary, replace_file, temporary_directory, temporary_path
 from .errors import FormatError
 from .formats import BFLOAT16
 
@@ -343,14 +346,22 @@ def save_temporary(
         )
         for k, (code, a) in arrays.items()
     }
+    # The library writes a temporary of its own (`.tmpXXXXXX`, beside the path it is given)
+    # and renames it: it writes in a directory named as nybble's temporaries, which the next
+    # write beside `target` sweeps if this process is killed, never in `target`'s.
+    private = temporary_directory(target)
     fd, path = temporary_path(target)
     os.close(fd)
     try:
-        safetensors.serialize_file(specs, path, metadata=_metadata(metadata))
+        inside = private / "tensors.safetensors"
+        safetensors.serialize_file(specs, inside, metadata=_metadata(metadata))
+        os.replace(inside, path)
         finish_temporary(path)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     return path
 
 

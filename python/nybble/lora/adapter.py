@@ -1,14 +1,19 @@
 """LoraAdapter: named LoRA/QLoRA layers of one model, and PEFT's adapter files (docs/lora.md).
 
-Saving is safe against interruption: both files are written in full to temporaries first
-and then renamed into place, the weights first and the config last; the weights record the
-SHA-256 of the config they belong with, so a directory left between the two renames (or
-holding files of two different saves) is refused on load instead of loading silently.
-A directory that did not exist is built aside and renamed into place whole.
+Saving is safe against interruption: after a kill at any moment the directory loads as the
+adapter it held before or as the new one, whole. A directory that did not exist is built
+aside and renamed into place whole. Over an existing adapter both new files are written in
+full into a staging directory inside it, which one rename makes the pending save
+(`PENDING`); its files then replace the old ones one by one and it is removed. While a
+pending save exists, its files are the adapter (a file already moved out of it is the new
+one in the directory): the loader reads them from there, and the next save first finishes
+moving them. The weights also record the SHA-256 of the config they belong with, so files
+of two saves put together by hand are refused on load instead of loading silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +47,10 @@ KEY_SUFFIXES = {
 }
 #: The weights file's metadata key holding the SHA-256 of the config saved with it.
 CONFIG_DIGEST_KEY = "nybble.adapter_config_sha256"
+#: A save's complete new files inside the adapter directory, until they are moved in.
+PENDING = ".nybble-adapter-pending"
+#: Files of an adapter, in the order a save moves them into place.
+ADAPTER_FILES = (WEIGHTS_FILE, CONFIG_FILE)
 
 Layer = LoraLinear | QLoraLinear
 
@@ -195,8 +204,8 @@ class LoraAdapter:
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> None:
         """Writes adapter_config.json and adapter_model.safetensors as PEFT does, so that an
-        interrupted save leaves either the old files or the new ones, never a mix that loads
-        (see the module docstring)."""
+        interrupted save leaves a directory that loads as the old adapter or as the new one,
+        whole (see the module docstring)."""
         if not self.layers:
             raise ValueError("the adapter has no layers to save")
         config_text = (json.dumps(self.peft_config(), indent=2) + "\n").encode("utf-8")
@@ -211,15 +220,17 @@ class LoraAdapter:
             return
         if not target.is_dir():
             raise NotADirectoryError(f"{target}: exists and is not a directory")
-        remove_stale_temporaries(target, (WEIGHTS_FILE, CONFIG_FILE))
-        weights = safetensors_io.save_temporary(tensors, target / WEIGHTS_FILE, metadata)
+        _finish_pending(target)  # a killed save's new files: the adapter until moved in
+        remove_stale_temporaries(target, ADAPTER_FILES)
+        staging = temporary_directory(target / WEIGHTS_FILE)
         try:
-            config = write_temporary(target / CONFIG_FILE, config_text)
+            _write_files(staging, tensors, metadata, config_text)
+            os.rename(staging, target / PENDING)  # the new adapter is the one from here on
         except BaseException:
-            weights.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
             raise
-        replace_file(weights, target / WEIGHTS_FILE)
-        replace_file(config, target / CONFIG_FILE)
+        _fsync_directory(target)
+        _finish_pending(target)
 
     @classmethod
     def from_pretrained(
@@ -273,7 +284,21 @@ def read_adapter(directory: str | os.PathLike[str]) -> AdapterFiles:
     their config), that every module has lora_A and lora_B (and the DoRA magnitude) of the
     configured rank. FormatError naming the file and field otherwise."""
     d = Path(directory)
-    config_path, weights_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    for attempt in range(3):
+        try:
+            return _read_adapter(d)
+        except FormatError:
+            # A live save may have moved a pending file between looking and opening it.
+            if attempt == 2 or not (d / PENDING).exists():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_adapter(d: Path) -> AdapterFiles:
+    pending = _pending(d)
+    config_path, weights_path = (
+        d / PENDING / name if name in pending else d / name for name in (CONFIG_FILE, WEIGHTS_FILE)
+    )
     config = LoraConfig.from_peft(config_path)
     raw = read_json(config_path)
     with safetensors_io.SafeTensorsFile(weights_path) as f:
@@ -314,15 +339,61 @@ def _save_new_directory(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_directory(target)
     try:
-        replace_file(
-            safetensors_io.save_temporary(tensors, staging / WEIGHTS_FILE, metadata),
-            staging / WEIGHTS_FILE,
-        )
-        replace_file(write_temporary(staging / CONFIG_FILE, config), staging / CONFIG_FILE)
+        _write_files(staging, tensors, metadata, config)
         os.rename(staging, target)  # fails if target appeared meanwhile: nothing overwritten
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _write_files(
+    directory: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str], config: bytes
+) -> None:
+    """Both files of an adapter, complete and flushed, in a directory of the saver's own."""
+    weights = directory / WEIGHTS_FILE
+    replace_file(safetensors_io.save_temporary(tensors, weights, metadata), weights)
+    replace_file(write_temporary(directory / CONFIG_FILE, config), directory / CONFIG_FILE)
+    _fsync_directory(directory)
+
+
+def _pending(directory: Path) -> list[str]:
+    """The files of a pending save that are the adapter's (see the module docstring). Only
+    its config left means the weights were moved in, so the weights in the directory record
+    that config's digest; if they do not, other weights were written since (by another
+    tool) and the pending save is stale: none."""
+    pending = directory / PENDING
+    names = [n for n in ADAPTER_FILES if (pending / n).is_file()]
+    if names == [CONFIG_FILE]:
+        try:
+            with safetensors_io.SafeTensorsFile(directory / WEIGHTS_FILE) as f:
+                digest = f.metadata.get(CONFIG_DIGEST_KEY)
+            current = digest == hashlib.sha256((pending / CONFIG_FILE).read_bytes()).hexdigest()
+        except (OSError, FormatError):
+            current = False
+        return names if current else []
+    return names
+
+
+def _finish_pending(directory: Path) -> None:
+    """Moves a pending save's files into place (a killed save's: each move is one rename,
+    and the files still pending are the adapter meanwhile), then removes it."""
+    pending = directory / PENDING
+    if not pending.is_dir():
+        return
+    for name in _pending(directory):  # the weights first, as a save moves them
+        os.replace(pending / name, directory / name)
+    shutil.rmtree(pending, ignore_errors=True)
+    _fsync_directory(directory)
+
+
+def _fsync_directory(path: Path) -> None:
+    """Flushes a directory's entries (the renames in it) to disk, where the system can."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _check_pair(metadata: dict[str, str], config_path: Path, weights_path: Path) -> None:
