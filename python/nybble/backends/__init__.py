@@ -68,6 +68,10 @@ class Backend(Protocol):
 
     def from_host(self, a: np.ndarray) -> Any: ...
 
+    def memory_in_use(self) -> int | None:
+        """Bytes of device memory the process's arrays hold (None on the CPU)."""
+        ...
+
     def first_non_finite(self, a: Any) -> int | None:
         """The first flat index of a NaN or ±inf in `a`, or None. On the GPU this waits for
         the device."""

@@ -90,6 +90,10 @@ class CpuBackend:
     def from_host(self, a: np.ndarray) -> np.ndarray:
         return a
 
+    def memory_in_use(self) -> int | None:
+        """None: host memory is not the backend's to count."""
+        return None
+
     def first_non_finite(self, a: Any) -> int | None:
         flat = np.asarray(a).reshape(-1)
         if flat.size == 0 or (np.isfinite(flat.max()) and np.isfinite(flat.min())):

@@ -10,11 +10,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, demo, dequantize, estimate, inspect, merge, quantize, train
+from . import bench, demo, dequantize, estimate, generate, inspect, merge, quantize, train
 from ._common import CliError
 
 #: Each module has `register(subparsers)`, which adds its subcommands with `func` set.
-COMMAND_MODULES = [demo, estimate, quantize, dequantize, merge, inspect, train, bench]
+COMMAND_MODULES = [demo, estimate, quantize, dequantize, merge, inspect, train, generate, bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

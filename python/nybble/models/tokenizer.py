@@ -212,6 +212,20 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
         )
 
+    def files(self) -> dict[str, bytes]:
+        """tokenizer.json and tokenizer_config.json as transformers reads them (what a saved
+        model carries, whichever files this tokenizer came from)."""
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            if getattr(self, key) is not None:
+                config[key] = getattr(self, key)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        return {
+            "tokenizer.json": self.backend.to_str().encode("utf-8"),
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+        }
+
     # --- use --------------------------------------------------------------------------------
 
     @property

@@ -31,6 +31,8 @@ Array = Any
 ATTENTION_CHUNK_ELEMENTS = 1 << 25
 #: The largest number of logits of one chunk of the LM head.
 HEAD_CHUNK_ELEMENTS = 1 << 25
+#: Targets equal to this are ignored by the loss (HF's and torch's ignore_index).
+IGNORE_INDEX = -100
 
 
 def accumulate_dtype(dtype: Any) -> Any:
@@ -544,6 +546,7 @@ def head_cross_entropy(
 __all__ = [
     "ATTENTION_CHUNK_ELEMENTS",
     "HEAD_CHUNK_ELEMENTS",
+    "IGNORE_INDEX",
     "GateKernels",
     "HeadKernels",
     "NormKernels",

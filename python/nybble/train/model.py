@@ -301,6 +301,7 @@ class DecoderLM:
         blocksize: int = 64,
         double_quant: bool = False,
         weights: WeightSource | None = None,
+        frozen: bool = False,
     ) -> None:
         self.config = config.validate()
         self.backend = backend
@@ -313,7 +314,9 @@ class DecoderLM:
             raise ValueError("compute_dtype float64 (gradient checks) is for dense models only")
         if quant not in (None, "nf4"):
             raise ValueError(f"quant must be None or 'nf4', got {quant!r}")
-        if quant is not None and lora is None:
+        if frozen and lora is not None:
+            raise ValueError("frozen (a model for inference) takes no LoRA config")
+        if quant is not None and lora is None and not frozen:
             raise ValueError("quant='nf4' freezes the base in 4 bits: it needs a LoRA config")
         self.dtype = np.dtype(numpy_dtype(compute_dtype))
         self.param_dtype = np.dtype(np.float64 if compute_dtype == "float64" else np.float32)
@@ -327,7 +330,11 @@ class DecoderLM:
         if backend.device == "cuda":
             self.use_fused_kernels(True)
         self.training = True
-        self.norms_trainable = lora is None
+        #: every weight frozen, nothing trainable (inference: `next_logits`, `loss`)
+        self.frozen = bool(frozen)
+        #: full fine-tuning: every weight trains
+        self.full = lora is None and not frozen
+        self.norms_trainable = self.full
         self.adapter = LoraAdapter(lora) if lora is not None else None
         self.weights: dict[str, Array] = {}
         self.grads: dict[str, Array | None] = {}
@@ -344,7 +351,7 @@ class DecoderLM:
         """Every weight from `source`, asked for once each in HF's order (a random source
         draws them in that order, so both devices start the same)."""
         cfg = self.config
-        full = self.lora is None
+        full = self.full
         initial: dict[str, np.ndarray] = {}
 
         def dense(name: str, value: np.ndarray, trainable: bool) -> None:
@@ -387,7 +394,26 @@ class DecoderLM:
         if not cfg.tie_word_embeddings:
             head = "lm_head.weight"
             dense(head, source.matrix(head, (cfg.vocab_size, cfg.hidden_size)), full)
+        self._check_targets()
         self._make_flat(initial)
+
+    def _check_targets(self) -> None:
+        """ValueError for LoRA targets that name no projection of the model (a typo would
+        otherwise train nothing, or not what was meant)."""
+        if self.lora is None or self.adapter is None:
+            return
+        targets = self.lora.target_modules
+        names = [f"{layer.prefix}.{path}" for layer in self.layers for path in PROJECTIONS.values()]
+        unmatched = (
+            [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+            if not isinstance(targets, str)
+            else ([] if self.adapter.layers else [targets])
+        )
+        if unmatched or not self.adapter.layers:
+            raise ValueError(
+                f"LoRA target_modules {unmatched or targets!r} match no projection of the model "
+                f"(its projections: {', '.join(PROJECTIONS)}, or all-linear)"
+            )
 
     def _projection(
         self,
@@ -400,7 +426,7 @@ class DecoderLM:
     ) -> Projection:
         backend = self.backend
         weight = f"{name}.weight"
-        if self.lora is None:
+        if self.full:
             w = np.asarray(source.matrix(weight, shape), np.float32)
             initial[weight] = w
             self.trainable.append(weight)
@@ -410,7 +436,7 @@ class DecoderLM:
             base = source.quantized(weight, shape, blocksize, double_quant)
         else:
             base = source.matrix(weight, shape)
-        if self.lora.targets(name):
+        if self.lora is not None and self.lora.targets(name):
             assert self.adapter is not None
             if not isinstance(base, NF4Tensor):
                 base = np.asarray(base, np.float32)
@@ -550,12 +576,12 @@ class DecoderLM:
             count,
             self._mm,
             grad=grad,
-            weight_grad=grad and self.lora is None,
+            weight_grad=grad and self.full,
             chunk_elements=self.head_chunk_elements,
         )
         return loss, (x2, rstd, dh, dw)
 
-    def _cast_adapters(self, on: bool) -> None:
+    def cast_adapters(self, on: bool) -> None:
         """With `on`, every LoRA projection's A and B in the compute dtype for this step, cast
         in one launch (views of one cast of the flat buffer); without, none (the parameters
         are about to change)."""
@@ -576,7 +602,7 @@ class DecoderLM:
         """Mean cross-entropy (a 0-d device array) of next-token predictions: ids and targets
         [B, T] on the device, `count` targets not ignored (negative ones are); `starts` for
         packed rows (see `positions`)."""
-        self._cast_adapters(True)
+        self.cast_adapters(True)
         try:
             positions = self.positions(int(ids.shape[0]), int(ids.shape[1]), starts)
             x = self._embed(ids)
@@ -584,7 +610,7 @@ class DecoderLM:
                 x, _ = layer.forward(x, False, positions)
             loss, _ = self._final(x, targets, count, grad=False)
         finally:
-            self._cast_adapters(False)
+            self.cast_adapters(False)
         return loss
 
     def forward_backward(
@@ -592,15 +618,17 @@ class DecoderLM:
     ) -> Array:
         """The loss of one batch, and every trainable parameter's gradient in `grads` (read
         with `flat_gradients()`)."""
-        self._cast_adapters(True)
+        self.cast_adapters(True)
         try:
             return self._forward_backward(ids, targets, count, starts)
         finally:
-            self._cast_adapters(False)
+            self.cast_adapters(False)
 
     def _forward_backward(
         self, ids: Array, targets: Array, count: int, starts: Array | None
     ) -> Array:
+        if self.frozen:
+            raise ValueError("this model is frozen (built for inference): it has nothing to train")
         cfg, xp = self.config, self.xp
         self.grads = {}
         positions = self.positions(int(ids.shape[0]), int(ids.shape[1]), starts)
@@ -634,7 +662,7 @@ class DecoderLM:
             assert s is not None
             dx = layer.backward(dx, s, positions)
             del s
-        if self.lora is None:
+        if self.full:
             embed = "model.embed_tokens.weight"
             de = F.embedding_backward(
                 xp, dx.reshape(-1, cfg.hidden_size), ids.reshape(-1), cfg.vocab_size
@@ -700,28 +728,39 @@ class DecoderLM:
 
     # --- export ------------------------------------------------------------------------------
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight of the base model by HF name, in HF's order (a tied head has none)."""
+        cfg = self.config
+        out: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)
+        }
+        shapes = cfg.projection_shapes()
+        for layer in self.layers:
+            prefix = layer.prefix
+            out[f"{prefix}.input_layernorm.weight"] = (cfg.hidden_size,)
+            if cfg.qk_norm:
+                out[f"{prefix}.self_attn.q_norm.weight"] = (cfg.head_dim,)
+                out[f"{prefix}.self_attn.k_norm.weight"] = (cfg.head_dim,)
+            out[f"{prefix}.post_attention_layernorm.weight"] = (cfg.hidden_size,)
+            for short, path in PROJECTIONS.items():
+                out[f"{prefix}.{path}.weight"] = shapes[path]
+                if short in cfg.biases:
+                    out[f"{prefix}.{path}.bias"] = (shapes[path][0],)
+        out["model.norm.weight"] = (cfg.hidden_size,)
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        return out
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every weight of the base model by HF name, as host float32 (quantized weights
         dequantized, frozen 16-bit ones widened exactly; a tied head has no entry)."""
-        out: dict[str, np.ndarray] = {}
         to_host = self.backend.to_host
-        names = ["model.embed_tokens.weight"]
-        for layer in self.layers:
-            prefix = layer.prefix
-            names.append(f"{prefix}.input_layernorm.weight")
-            if self.config.qk_norm:
-                names += [f"{prefix}.self_attn.q_norm.weight", f"{prefix}.self_attn.k_norm.weight"]
-            names.append(f"{prefix}.post_attention_layernorm.weight")
-        names.append("model.norm.weight")
-        if not self.config.tie_word_embeddings:
-            names.append("lm_head.weight")
-        for name in names:
-            out[name] = np.asarray(to_host(self.weights[name]), dtype=np.float32)
-        for layer in self.layers:
-            for proj in layer.proj.values():
-                out[f"{proj.name}.weight"] = np.asarray(
-                    to_host(proj.base_weight()), dtype=np.float32
-                )
+        projections = {f"{p.name}.weight": p for layer in self.layers for p in layer.proj.values()}
+        out: dict[str, np.ndarray] = {}
+        for name in self.weight_shapes():
+            proj = projections.get(name)
+            value = proj.base_weight() if proj is not None else self.weights[name]
+            out[name] = np.asarray(to_host(value), dtype=np.float32)
         return out
 
     def named_parameters(self) -> dict[str, Array]:

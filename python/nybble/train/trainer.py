@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -21,19 +21,23 @@ import numpy as np
 from .. import backends, safetensors_io
 from .._files import remove_stale_temporaries, replace_file, write_temporary
 from ..errors import FormatError
+from ..formats import numpy_dtype
 from ..lora.adapter import LoraAdapter
 from ..lora.config import LoraConfig
 from ..lora.layers import QLoraLinear
 from ..lora.optim import AdamW
 from ..models.tokenizer import Tokenizer
+from ..safetensors_io import Entry
 from .config import TransformerConfig
+from .functional import IGNORE_INDEX
+from .generate import Generation
+from .generate import generate as generate_ids
 from .linear import LoraProjection
 from .model import DecoderLM
 from .pretrained import PretrainedWeights
+from .schedule import LRSchedule
 from .weights import WeightSource
 
-#: Targets equal to this are ignored by the loss (HF's and torch's ignore_index).
-IGNORE_INDEX = -100
 #: The optimizer sees all trainable parameters as this one flat array.
 FLAT = "parameters"
 #: The checkpoint file's metadata key holding the trainer's record (JSON).
@@ -74,6 +78,8 @@ class Trainer:
         double_quant: bool = False,
         weights: WeightSource | None = None,
         base_model: str | None = None,
+        schedule: LRSchedule | None = None,
+        frozen: bool = False,
     ) -> None:
         if not isinstance(model_config, TransformerConfig):
             raise ValueError(
@@ -87,6 +93,8 @@ class Trainer:
             raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not 0 < lr < math.inf:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        if schedule is not None and not isinstance(schedule, LRSchedule):
+            raise ValueError(f"schedule must be an LRSchedule or None, got {schedule!r}")
         if device not in backends.DEVICES:
             raise ValueError(f"device must be one of {backends.DEVICES}, got {device!r}")
         if compute_dtype is None:
@@ -103,6 +111,9 @@ class Trainer:
         self.double_quant = double_quant
         #: where the base model's weights came from (None: seeded random weights)
         self.base_model = base_model
+        #: the peak learning rate, scaled for each update by `schedule`
+        self.peak_lr = float(lr)
+        self.schedule = schedule or LRSchedule()
         #: the model's tokenizer (set by from_pretrained where the files carry one)
         self.tokenizer: Tokenizer | None = None
         self.backend = backends.get(device)
@@ -117,6 +128,7 @@ class Trainer:
             blocksize=blocksize,
             double_quant=double_quant,
             weights=weights,
+            frozen=frozen,
         )
         if self.model.adapter is not None and base_model is not None:
             self.model.adapter.base_model_name_or_path = base_model
@@ -141,7 +153,8 @@ class Trainer:
         or 4-bit from bitsandbytes or `nybble quantize`, read as stored), a Hub id whose files
         are in the local HF cache, or a .gguf file. With quant="nf4" every frozen projection
         is quantized as it is read, one tensor at a time. The tokenizer, where the files carry
-        one, is `trainer.tokenizer`. Other keyword arguments are the constructor's."""
+        one, is `trainer.tokenizer`. Other keyword arguments are the constructor's
+        (`frozen=True`, without lora: a model only to run, e.g. for `generate`)."""
         from ..models import open_model
 
         with open_model(path) as files:
@@ -224,7 +237,8 @@ class Trainer:
             "seed": self.seed,
             "blocksize": self.blocksize,
             "double_quant": self.double_quant,
-            "lr": self.optimizer.lr,
+            "lr": self.peak_lr,
+            "schedule": self.schedule.to_dict(),
             "weight_decay": self.optimizer.weight_decay,
             "accumulation_steps": self.optimizer.accumulation_steps,
             "max_grad_norm": self.optimizer.max_grad_norm,
@@ -234,13 +248,15 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------
 
-    def train_batch(self, inputs: Any, targets: Any) -> float:
+    def train_batch(self, inputs: Any, targets: Any, starts: Any = None) -> float:
         """One micro-batch: inputs and targets are token ids [batch, seq] (or [seq]), each
-        target the token that follows its input (IGNORE_INDEX to skip one). Returns the mean
-        cross-entropy before the update."""
-        ids, tgt, count = self._batch(inputs, targets)
+        target the token that follows its input (IGNORE_INDEX to skip one); `starts` (packed
+        rows, same shape) the index where each token's sample begins in its row. Returns the
+        mean cross-entropy before the update."""
+        ids, tgt, count, first = self._batch(inputs, targets, starts)
         self.model.train(True)
-        loss = self.model.forward_backward(ids, tgt, count)
+        loss = self.model.forward_backward(ids, tgt, count, first)
+        self.optimizer.lr = self.peak_lr * self.schedule.factor(self.step)
         self.optimizer.step({FLAT: self.model.flat_gradients()})
         return float(loss)
 
@@ -251,16 +267,16 @@ class Trainer:
             raise ValueError("batches: expected at least one (inputs, targets) pair, got none")
         return float(np.mean(losses))
 
-    def loss(self, inputs: Any, targets: Any) -> float:
+    def loss(self, inputs: Any, targets: Any, starts: Any = None) -> float:
         """The mean cross-entropy of a batch without training (dropout off, nothing kept)."""
-        ids, tgt, count = self._batch(inputs, targets)
+        ids, tgt, count, first = self._batch(inputs, targets, starts)
         self.model.train(False)
         try:
-            return float(self.model.loss(ids, tgt, count))
+            return float(self.model.loss(ids, tgt, count, first))
         finally:
             self.model.train(True)
 
-    def _batch(self, inputs: Any, targets: Any) -> tuple[Any, Any, int]:
+    def _batch(self, inputs: Any, targets: Any, starts: Any = None) -> tuple[Any, Any, int, Any]:
         vocab = self.config.vocab_size
         ids = self._host_tokens(inputs, "inputs")
         tgt = self._host_tokens(targets, "targets")
@@ -281,7 +297,18 @@ class Trainer:
         count = int((tgt >= 0).sum())
         if count == 0:
             raise ValueError(f"targets: every target is {IGNORE_INDEX} (ignored); nothing to learn")
-        return self.backend.from_host(ids), self.backend.from_host(tgt), count
+        first = None
+        if starts is not None:
+            host = self._host_tokens(starts, "starts")
+            if host.shape != ids.shape:
+                raise ValueError(
+                    f"starts must have the shape of inputs {ids.shape}, got {host.shape}"
+                )
+            within = np.arange(ids.shape[1])[None, :]
+            if (host < 0).any() or (host > within).any():
+                raise ValueError("starts: each token's sample start must lie in [0, its own index]")
+            first = self.backend.from_host(host.astype(np.int32))
+        return self.backend.from_host(ids), self.backend.from_host(tgt), count, first
 
     def _host_tokens(self, a: Any, what: str) -> np.ndarray:
         source = backends.of(a)
@@ -293,6 +320,64 @@ class Trainer:
         if host.ndim != 2:
             raise ValueError(f"{what}: expected shape [batch, seq] or [seq], got {host.shape}")
         return np.ascontiguousarray(host, dtype=np.int64)
+
+    # --- trying the result ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        chat: bool | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Continues a prompt with the model as trained so far (train/generate.py): text
+        (through the tokenizer; with `chat`, default when the tokenizer has a chat template,
+        as a user turn of the chat template) or token ids. Stops at the tokenizer's end
+        tokens. `on_text` gets the text as it is made (streaming); the result's `text` holds
+        all of it."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ValueError("a text prompt needs the model's tokenizer; pass token ids")
+            if chat is None:
+                chat = tok.chat_template is not None
+            if chat:
+                text = tok.render_chat([{"role": "user", "content": prompt}], True)
+                ids = tok.encode(text, add_special_tokens=False)
+            else:
+                ids = tok.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        made: list[int] = []
+        shown = ""
+
+        def stream(token: int) -> None:
+            nonlocal shown
+            made.append(token)
+            if on_text is not None and tok is not None:
+                text = tok.decode(made)
+                if not text.endswith("\ufffd"):  # a character cut between tokens: wait
+                    on_text(text[len(shown) :])
+                    shown = text
+
+        result = generate_ids(
+            self.model,
+            ids,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            tok.stop_ids if tok is not None else (),
+            stream,
+        )
+        if tok is not None:
+            result.text = tok.decode(result.ids)
+            if on_text is not None and len(result.text) > len(shown):
+                on_text(result.text[len(shown) :])
+        return result
 
     # --- adapters -----------------------------------------------------------------------------
 
@@ -348,6 +433,51 @@ class Trainer:
         config["torch_dtype"] = "float32"
         text = (json.dumps(config, indent=2) + "\n").encode()
         replace_file(write_temporary(target / "config.json", text), target / "config.json")
+
+    def save_merged(
+        self, directory: str | os.PathLike[str], dtype: str = "bfloat16", overwrite: bool = False
+    ) -> None:
+        """The model with its LoRA layers merged (W + scaling·B·A, the base dequantized) as an
+        HF checkpoint in `dtype`: config.json, the weights (sharded past 5 GB as transformers
+        shards), and the tokenizer; written a tensor at a time into a staging folder put in
+        place whole (what PEFT's merge_and_unload + save_pretrained give)."""
+        from ..checkpoint._output import DEFAULT_MAX_SHARD_SIZE, OutputDirectory, ShardedWriter
+
+        code = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(dtype)
+        if code is None:
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
+        model = self.model
+        to_host = self.backend.to_host
+        layers = self.lora_layers()
+
+        def value(name: str) -> np.ndarray:
+            module = name.rsplit(".", 1)[0]
+            if module in layers:
+                return np.asarray(to_host(layers[module].merged_weight("float32")))
+            for layer in model.layers:
+                proj = next((p for p in layer.proj.values() if f"{p.name}.weight" == name), None)
+                if proj is not None:
+                    return np.asarray(to_host(proj.base_weight()), np.float32)
+            return np.asarray(to_host(model.weights[name]), np.float32)
+
+        shapes = model.weight_shapes()
+        entries = [Entry(name, code, shape) for name, shape in shapes.items()]
+        with OutputDirectory(directory, overwrite=overwrite) as out:
+            writer = ShardedWriter(out, entries, DEFAULT_MAX_SHARD_SIZE)
+            try:
+                for name in shapes:
+                    writer.write(name, value(name).astype(numpy_dtype(dtype)))
+                writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            config = self.config.to_hf()
+            config["torch_dtype"] = dtype
+            out.write_json("config.json", config)
+            if self.tokenizer is not None:
+                for name, data in self.tokenizer.files().items():
+                    out.write_bytes(name, data)
+            out.commit()
 
     # --- checkpoints --------------------------------------------------------------------------
 

@@ -66,6 +66,10 @@ class CudaBackend:
     def from_host(self, a: np.ndarray) -> Any:
         return cp.asarray(a)
 
+    def memory_in_use(self) -> int | None:
+        """Bytes CuPy's memory pool holds on the current device (what a run keeps)."""
+        return int(cp.get_default_memory_pool().total_bytes())
+
     def first_non_finite(self, a: Any) -> int | None:
         flat = a.reshape(-1)
         if flat.size == 0 or bool(cp.isfinite(flat).all()):
