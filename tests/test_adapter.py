@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -219,6 +220,90 @@ def test_save_pretrained_round_trip_and_file_format(tmp_path: Path, dora: bool) 
         np.testing.assert_array_equal(back.forward_layer(name, x), adapter.forward_layer(name, x))
 
 
+EXTRAS = Path(__file__).parent / "fixtures" / "peft_extras"
+EXTRA_CASES = sorted(p.name for p in EXTRAS.iterdir() if p.is_dir())
+
+
+def _file_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    with nybble.safetensors_io.SafeTensorsFile(path) as f:
+        return {k: (f.dtype_name(k), f.shape(k), f.raw(k).tobytes()) for k in f.keys()}
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_extra_tensors_peft_saves_are_kept_and_saved_back_unchanged(
+    tmp_path: Path, case: str
+) -> None:
+    """Adapters PEFT 0.21 wrote with modules_to_save and trainable_token_indices
+    (tests/fixtures/peft_extras/): loaded with their extra tensors in `extra_tensors`, keyed
+    as in the file, and the fields naming them; saved back tensor for tensor, byte for byte,
+    with the same fields; loaded again alike."""
+    d = EXTRAS / case
+    adapter = LoraAdapter.from_pretrained(d, d / "base")
+    stored = _file_tensors(d / "adapter_model.safetensors")
+    extra = {k for k in stored if ".lora_" not in k}
+    assert extra and set(adapter.extra_tensors) == extra
+    for key in extra:
+        got = adapter.extra_tensors[key]
+        assert (nybble.safetensors_io.dtype_code(got.dtype), got.shape) == stored[key][:2]
+        assert got.tobytes() == stored[key][2]
+    config = json.loads((d / "adapter_config.json").read_text())
+    assert adapter.modules_to_save == config["modules_to_save"]
+    assert adapter.trainable_token_indices == config["trainable_token_indices"]
+    adapter.save_pretrained(tmp_path / "saved")
+    saved = _file_tensors(tmp_path / "saved" / "adapter_model.safetensors")
+    assert {k: saved[k] for k in extra} == {k: stored[k] for k in extra}
+    assert set(saved) == set(stored)
+    written = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    for field in ("modules_to_save", "trainable_token_indices"):
+        assert written[field] == config[field]
+    again = LoraAdapter.from_pretrained(tmp_path / "saved", d / "base")
+    assert {k: v.tobytes() for k, v in again.extra_tensors.items()} == {
+        k: v.tobytes() for k, v in adapter.extra_tensors.items()
+    }
+    # kept in their own dtype (PEFT saves a bf16 model's copies in bf16)
+    adapter.extra_tensors = {
+        k: v.astype(ml_dtypes.bfloat16) for k, v in adapter.extra_tensors.items()
+    }
+    adapter.save_pretrained(tmp_path / "bf16")
+    back = LoraAdapter.from_pretrained(tmp_path / "bf16", d / "base")
+    assert all(v.dtype == ml_dtypes.bfloat16 for v in back.extra_tensors.values())
+
+
+def test_extra_tensors_the_config_does_not_name_are_refused(tmp_path: Path) -> None:
+    import shutil
+
+    d = tmp_path / "a"
+    shutil.copytree(EXTRAS / "trainable_tokens", d)
+    tokens = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    cases: list[tuple[dict[str, Any], dict[str, np.ndarray], str]] = [
+        ({}, {"base_model.model.model.norm.weight": np.ones(8, np.float32)}, "norm"),
+        ({"trainable_token_indices": [1, 5]}, {}, tokens),  # 3 rows for 2 ids
+        ({"trainable_token_indices": {"lm_head": [1, 5, 7]}}, {}, tokens),  # another module
+        ({"trainable_token_indices": None}, {}, tokens),
+        ({}, {tokens: np.ones((3, 8), np.int32)}, tokens),
+        ({}, {"base_model.model.model.layers.0.mlp.lora_C.weight": np.ones(2)}, "lora_C"),
+    ]
+    config = json.loads((d / "adapter_config.json").read_text())
+    weights = (d / "adapter_model.safetensors").read_bytes()
+    for changes, tensors, key in cases:
+        (d / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+        (d / "adapter_model.safetensors").write_bytes(weights)
+        _rewrite_weights(d, lambda t, tensors=tensors: {**t, **tensors})
+        e = _refused(d, {})
+        assert e.field is not None and key in e.field, (changes, e)
+    # save_pretrained refuses what PEFT would not load back
+    adapter = small_adapter()
+    adapter.extra_tensors = {"base_model.model.model.norm.weight": np.ones(4, np.float32)}
+    with pytest.raises(ValueError, match="extra_tensors"):
+        adapter.save_pretrained(tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+    adapter.modules_to_save = ["norm"]
+    adapter.save_pretrained(tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())["modules_to_save"] == [
+        "norm"
+    ]
+
+
 def _refused(directory: Path, base: dict[str, Any] | None = None) -> FormatError:
     with pytest.raises(FormatError) as e:
         LoraAdapter.from_pretrained(directory, base or {})
@@ -265,7 +350,13 @@ def test_from_pretrained_reports_problems(tmp_path: Path) -> None:
         ("rank_pattern", {"q_proj": 2.5}),
         ("init_lora_weights", "pissa"),
         ("bias", "all"),
-        ("modules_to_save", ["lm_head"]),
+        ("modules_to_save", "lm_head"),
+        ("modules_to_save", [""]),
+        ("modules_to_save", [1]),
+        ("trainable_token_indices", [-1]),
+        ("trainable_token_indices", [1.5]),
+        ("trainable_token_indices", {"embed_tokens": [True]}),
+        ("trainable_token_indices", "1,2"),
     ],
 )
 def test_config_fields_are_checked_by_type_and_range(
@@ -456,6 +547,24 @@ def test_live_peft_loads_what_nybble_writes(tmp_path: Path, dora: bool) -> None:
         np.testing.assert_allclose(
             adapter.eval().forward_layer(name, x), want, rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_live_peft_merges_what_nybble_saves_with_extra_tensors(tmp_path: Path, case: str) -> None:
+    """PEFT loads an adapter nybble saved back (modules_to_save, trainable tokens) and merges
+    it to exactly what it merges from its own files."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    d = EXTRAS / case
+    LoraAdapter.from_pretrained(d, d / "base").save_pretrained(tmp_path)
+    merged = []
+    for adapter_dir in (d, tmp_path):
+        model = transformers.LlamaForCausalLM.from_pretrained(d / "base")
+        peft_model = peft.PeftModel.from_pretrained(model, adapter_dir)
+        merged.append(peft_model.merge_and_unload().state_dict())
+    assert set(merged[0]) == set(merged[1])
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
 
 
 # --- PEFT's behaviour around loading (issue 19) -------------------------------------------------

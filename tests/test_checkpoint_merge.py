@@ -177,3 +177,141 @@ def test_fan_in_fan_out_base(tmp_path: Path) -> None:
     got = _read(tmp_path / "out")["h.0.attn.c_attn.weight"]
     want = w.astype(np.float64) + 2.0 * (b.astype(np.float64) @ a).T
     _close(got, want, np.float32)
+
+
+# --- tensors PEFT saves beside LoRA's (modules_to_save, trainable tokens) ---------------------
+
+EXTRAS = Path(__file__).parent / "fixtures" / "peft_extras"
+EXTRA_CASES = sorted(p.name for p in EXTRAS.iterdir() if p.is_dir())
+
+
+def _copy_case(case: str, tmp_path: Path) -> tuple[Path, Path]:
+    """A fixture's base and adapter, copied to change them."""
+    import shutil
+
+    shutil.copytree(EXTRAS / case, tmp_path / case)
+    return tmp_path / case / "base", tmp_path / case
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    tensors = dict(nybble.safetensors_io.load(path))
+    nybble.safetensors_io.save(change(tensors), path, {"format": "pt"})
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_merge_equals_peft_merge_and_unload_with_extra_tensors(tmp_path: Path, case: str) -> None:
+    """Fixtures PEFT 0.21 wrote (tests/fixtures/make_peft_fixtures.py): the merged checkpoint
+    is PEFT's `merge_and_unload()` saved, tensor for tensor, bit for bit: a modules_to_save
+    copy in place of the base's weight, trainable tokens' rows in the embedding (a tied
+    lm_head follows it, as it stays tied)."""
+    report = merge_adapter(EXTRAS / case / "base", EXTRAS / case, tmp_path / "out")
+    got = _read(tmp_path / "out")
+    want = nybble.safetensors_io.load(EXTRAS / case / "merged.safetensors")
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+    base = nybble.safetensors_io.load(EXTRAS / case / "base" / "model.safetensors")
+    if case == "modules_to_save":
+        replaced = ["lm_head.weight", "model.embed_tokens.weight"]
+        assert sorted(report.weights["replaced"]) == replaced
+    else:
+        replaced = ["model.embed_tokens.weight"]
+        assert "model.embed_tokens.weight" in report.weights["merged"]
+    assert all(not np.array_equal(got[n], base[n]) for n in replaced), "the extras were merged"
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_extra_tensors_merge_into_bf16_and_4bit_bases(tmp_path: Path, case: str) -> None:
+    """The adapter's values are cast to the base weight's dtype as torch's copy into it
+    rounds them; a 4-bit base weight is replaced (or its rows) in the dtype it was quantized
+    from."""
+    base, adapter = _copy_case(case, tmp_path)
+    _rewrite(
+        base / "model.safetensors",
+        lambda t: {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()},
+    )
+    extras = {
+        k: v
+        for k, v in nybble.safetensors_io.load(adapter / "adapter_model.safetensors").items()
+        if "lora_" not in k
+    }
+    quantize_checkpoint(base, tmp_path / "q", targets=["embed_tokens", "q_proj"])
+    for source in (base, tmp_path / "q"):
+        merge_adapter(source, adapter, tmp_path / "out", overwrite=True)
+        got = _read(tmp_path / "out")
+        embed = got["model.embed_tokens.weight"]
+        assert embed.dtype == ml_dtypes.bfloat16
+        for key, value in extras.items():
+            if key.endswith("trainable_tokens_delta"):
+                config = json.loads((adapter / "adapter_config.json").read_text())
+                ids = config["trainable_token_indices"]
+                rows = ids if isinstance(ids, list) else ids["embed_tokens"]
+                assert np.array_equal(embed[rows], value.astype(ml_dtypes.bfloat16))
+                others = [i for i in range(embed.shape[0]) if i not in rows]
+                if source == base:
+                    dense = nybble.safetensors_io.load(base / "model.safetensors")
+                    assert np.array_equal(embed[others], dense["model.embed_tokens.weight"][others])
+            else:
+                name = key.removeprefix(PREFIX)
+                assert np.array_equal(got[name], value.astype(ml_dtypes.bfloat16)), name
+
+
+def test_extra_tensors_that_cannot_be_merged_exactly_are_refused(tmp_path: Path) -> None:
+    def refused(base: Path, adapter: Path, field: str | None = None) -> nybble.FormatError:
+        with pytest.raises(nybble.FormatError) as e:
+            merge_adapter(base, adapter, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        if field is not None:
+            assert e.value.field == field, e.value
+        return e.value
+
+    base, adapter = _copy_case("modules_to_save", tmp_path)
+    key = f"{PREFIX}lm_head.weight"
+    # A tied base: PEFT's merge unties lm_head from the embeddings; nybble does not.
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert "PEFT's merge unties" in refused(base, adapter, "tie_word_embeddings").problem
+    (base / "config.json").write_text(json.dumps(config))
+    # A resized vocabulary: the shapes differ.
+    weights = adapter / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    _rewrite(weights, lambda t: {**t, key: np.ones((20, 8), np.float32)})
+    assert "resized vocabulary" in refused(base, adapter, key).problem
+    # A tensor the base does not hold.
+    weights.write_bytes(original)
+    _rewrite(weights, lambda t: {**t, f"{PREFIX}lm_head.bias": np.ones(16, np.float32)})
+    assert "does not hold" in refused(base, adapter, f"{PREFIX}lm_head.bias").problem
+    # A weight changed by LoRA and replaced as well.
+    weights.write_bytes(original)
+    q = "model.layers.0.self_attn.q_proj"
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({**acfg, "modules_to_save": ["lm_head", "q_proj"]})
+    )
+    _rewrite(weights, lambda t: {**t, f"{PREFIX}{q}.weight": np.ones((8, 8), np.float32)})
+    assert "no one merged value" in refused(base, adapter, f"{PREFIX}{q}.weight").problem
+    # Trainable tokens: ids repeated or beyond the vocabulary, a tied base storing lm_head.
+    base, adapter = _copy_case("trainable_tokens", tmp_path / "t")
+    acfg = json.loads((adapter / "adapter_config.json").read_text())
+    tokens = f"{PREFIX}model.embed_tokens.token_adapter.trainable_tokens_delta"
+    for ids in ([1, 1, 7], [1, 5, 16]):
+        (adapter / "adapter_config.json").write_text(
+            json.dumps({**acfg, "trainable_token_indices": ids})
+        )
+        assert "distinct and below" in refused(base, adapter, tokens).problem
+    (adapter / "adapter_config.json").write_text(json.dumps(acfg))
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert "also stores lm_head" in refused(base, adapter, "tie_word_embeddings").problem
+
+
+def test_the_command_line_reports_replaced_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nybble.cli import main
+
+    d = EXTRAS / "modules_to_save"
+    assert main(["merge", str(d / "base"), str(d), str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "2 merged, 2 replaced" in out

@@ -77,4 +77,4 @@ def print_report(report: Report, as_json: bool) -> None:
     )
 
 
-_COUNTS = ("quantized", "converted", "dequantized", "merged", "copied")
+_COUNTS = ("quantized", "converted", "dequantized", "merged", "replaced", "copied")

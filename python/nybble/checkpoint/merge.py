@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import formats
+from .. import formats, safetensors_io
 from ..errors import FormatError, NonFiniteError
-from ..formats import OutputDtype
-from ..lora.adapter import KEY_PREFIX, read_adapter
+from ..formats import BFLOAT16, OutputDtype
+from ..lora.adapter import (
+    KEY_PREFIX,
+    TOKENS_SUFFIX,
+    TokenIndices,
+    extra_tensor_kind,
+    read_adapter,
+    token_rows,
+)
 from ..lora.config import LoraConfig
 from ..lora.layers import LoraLinear, QLoraLinear
 from ..safetensors_io import Entry
@@ -29,13 +36,14 @@ from ._common import (
     compute_backend,
     dtype_name,
     first,
+    module_kind,
     parse_size,
 )
 from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
-from ._source import Checkpoint
-from .dequantize import dequantize_task
+from ._source import CONFIG_FILE, Checkpoint
+from .dequantize import dense, dequantize_task
 
 #: Rows of a weight merged at a time: about this many bytes of float32 per tile.
 TILE_BYTES = 32 * 2**20
@@ -43,16 +51,27 @@ TILE_BYTES = 32 * 2**20
 
 @dataclass(frozen=True)
 class Adapter:
-    """A PEFT adapter read from its directory: the config and each module's tensors."""
+    """A PEFT adapter read from its directory: the config, each module's tensors, and the
+    tensors saved beside LoRA's (LoraAdapter.extra_tensors) with the token ids they need."""
 
     config: LoraConfig
     weights_path: Path
     modules: dict[str, dict[str, np.ndarray]]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    modules_to_save: list[str] | None = None
+    token_indices: TokenIndices | None = None
 
     @classmethod
     def read(cls, directory: str | os.PathLike[str]) -> Adapter:
-        files = read_adapter(directory)
-        return cls(files.config, files.weights_path, files.modules)
+        f = read_adapter(directory)
+        return cls(
+            f.config,
+            f.weights_path,
+            f.modules,
+            f.extras,
+            f.modules_to_save,
+            f.trainable_token_indices,
+        )
 
     def key(self, module: str, part: str = "lora_A.weight") -> str:
         return f"{KEY_PREFIX}{module}.{part}"
@@ -73,8 +92,11 @@ def merge_adapter(
     adapter_model.safetensors as PEFT saves them) merged into its weights: W + s·B·A, or
     DoRA's m·(W + s·B·A)/‖W + s·B·A‖. A 4-bit base is dequantized (all of it: the output is
     dense); `dtype` is that of every merged or dequantized weight (by default the base
-    weight's). An adapter module with no weight in the base, or of another shape, is a
-    FormatError naming it."""
+    weight's). As PEFT's merge_and_unload: a `modules_to_save` copy (or a resized
+    vocabulary's embedding) saved with the adapter takes the place of the base's tensor, and
+    trainable tokens' rows replace those rows of the embedding. An adapter module with no
+    weight in the base, or of another shape, is a FormatError naming it; so is what cannot be
+    merged exactly (see `_extras`)."""
     timer = Timer()
     check_apart(target, {"base": base, "adapter": adapter})
     out_dtype = None if dtype is None else dtype_name(dtype)
@@ -94,11 +116,20 @@ def merge_adapter(
                 f"{first(missing)} (looked for <module>.weight)",
                 lora.key(missing[0]),
             )
+        extras = _extras(lora, ckpt, groups)
         tasks: list[Task] = []
-        done: dict[str, list[str]] = {"merged": [], "dequantized": [], "copied": []}
+        done: dict[str, list[str]] = {"merged": [], "replaced": [], "dequantized": [], "copied": []}
         for name in ckpt.names():
             group = group_of.get(name)
             module = name.removesuffix(".weight") if name.endswith(".weight") else None
+            extra = extras.get(group.prefix if group is not None else name)
+            if extra is not None:
+                if group is None or group.state_key == name:
+                    tasks.append(
+                        _extra_task(ckpt, group, extra[2], lora, extra, out_dtype, backend)
+                    )
+                    done["merged" if extra[1] is not None else "replaced"].append(extra[2])
+                continue
             if group is not None:
                 if group.state_key != name:
                     continue
@@ -121,6 +152,133 @@ def merge_adapter(
         write_checkpoint(ckpt, tasks, config, report, target, overwrite, shard_size, progress)
     report.seconds = timer.seconds()
     return report
+
+
+#: An extra tensor as merged: its key in the adapter, the token ids whose rows it holds (None:
+#: it replaces the whole tensor), and the base tensor's name.
+Extra = tuple[str, "list[int] | None", str]
+
+
+def _extras(lora: Adapter, ckpt: Checkpoint, groups: Mapping[str, QuantGroup]) -> dict[str, Extra]:
+    """The base tensors the adapter's extra tensors go into, by name, checked: the tensor is
+    in the base (dense or quantized), no LoRA module and no other extra tensor goes into it,
+    and the model does not tie lm_head to the input embeddings where PEFT would untie them
+    (a trained lm_head or embedding), or where a stored lm_head would keep the old rows of
+    trainable tokens. FormatError naming the adapter's key otherwise."""
+    config = ckpt.config or {}
+    tied = config.get("tie_word_embeddings") is True
+    out: dict[str, Extra] = {}
+    for key in sorted(lora.extras):
+        kind = extra_tensor_kind(key, lora.modules_to_save, lora.token_indices)
+        rest = key[len(KEY_PREFIX) :]
+        rows = token_rows(key, lora.token_indices) if kind == "trainable_tokens" else None
+        name = rest.removesuffix(TOKENS_SUFFIX) + ".weight" if rows is not None else rest
+        if name not in ckpt and name not in groups:
+            raise FormatError(
+                lora.weights_path,
+                f"goes into {name} ({kind}), which {ckpt.path} does not hold",
+                key,
+            )
+        module = name.removesuffix(".weight")
+        if (name.endswith(".weight") and module in lora.modules) or name in out:
+            raise FormatError(
+                lora.weights_path,
+                f"goes into {name}, which the adapter also changes otherwise (LoRA, or "
+                "another saved tensor): there is no one merged value for it",
+                key,
+            )
+        if tied and rows is None and module_kind(name) in ("lm_head", "embedding"):
+            raise FormatError(
+                ckpt.directory / CONFIG_FILE,
+                f"ties lm_head to the input embeddings, and the adapter replaces {name} "
+                f"({key}): PEFT's merge unties them, which nybble merge does not do; merge "
+                "with PEFT, or untie the base first",
+                "tie_word_embeddings",
+            )
+        if tied and rows is not None and "lm_head.weight" in ckpt:
+            raise FormatError(
+                ckpt.directory / CONFIG_FILE,
+                "ties lm_head to the input embeddings but the checkpoint also stores "
+                f"lm_head.weight: nybble merge cannot tell which the trainable tokens of {key} "
+                "go into",
+                "tie_word_embeddings",
+            )
+        out[name] = (key, rows, name)
+    return out
+
+
+def _extra_task(
+    ckpt: Checkpoint,
+    group: QuantGroup | None,
+    name: str,
+    lora: Adapter,
+    extra: Extra,
+    dtype: OutputDtype | None,
+    backend: Any,
+) -> Task:
+    """A base tensor (dense, or a quantized group: written dense) replaced by the adapter's
+    tensor, or with its trainable tokens' rows replaced. The value is cast to the output
+    dtype (`dtype`, or the base's) as torch's copy into the base's parameter rounds it."""
+    key, rows, _ = extra
+    value = lora.extras[key]
+    if group is not None:
+        header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+        shape, code = header.shape, OUTPUT_CODES[header.dtype]
+    else:
+        info = ckpt.info(name)
+        shape, code = info.shape, info.dtype
+    if dtype is not None and (code in FLOAT_CODES or group is not None):
+        code = OUTPUT_CODES[dtype]
+    out_np = np.dtype(safetensors_io.DTYPES[code].numpy)
+    floats = code in FLOAT_CODES and (value.dtype.kind == "f" or value.dtype == BFLOAT16)
+    if not floats and value.dtype != out_np:
+        raise FormatError(
+            lora.weights_path,
+            f"is {value.dtype}, the base's {name} {code}: nybble merge converts floats only",
+            key,
+        )
+    entry = Entry(name, code, shape)
+    if rows is None:
+        if tuple(value.shape) != tuple(shape):
+            raise FormatError(
+                lora.weights_path,
+                f"shape {list(value.shape)} does not fit the base's {name} {list(shape)} (a "
+                "resized vocabulary? nybble merge keeps the base's shapes)",
+                key,
+            )
+        return Task([], [entry], lambda arrays, _: {name: value.astype(out_np)}, entry.nbytes, 0)
+    if len(shape) != 2 or tuple(value.shape) != (len(rows), shape[1]) or not floats:
+        raise FormatError(
+            lora.weights_path,
+            f"{value.dtype} {list(value.shape)} does not fit the base's {name} {list(shape)} "
+            f"as the rows of {len(rows)} tokens",
+            key,
+        )
+    if len(set(rows)) != len(rows) or max(rows, default=0) >= shape[0]:
+        raise FormatError(
+            lora.weights_path,
+            f"token ids {rows} must be distinct and below the base's {shape[0]} rows of {name}",
+            key,
+        )
+    names = list(group.members) if group is not None else [name]
+    size = sum(ckpt.info(n).nbytes for n in names)
+
+    def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
+        if group is not None:
+            q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+            base = dense(q, formats.output_dtype(out_np), backend, ckpt, group)
+        else:
+            base = arrays[name]
+        out = scratch.array(tuple(shape), out_np)
+        out[...] = base
+        out[rows] = value.astype(out_np)  # torch's index_copy after casting, as PEFT merges
+        if not bool(np.isfinite(out[rows]).all()):
+            raise FormatError(
+                lora.weights_path, "non-finite rows (NaN, inf, or beyond the dtype)", key
+            )
+        return {name: out}
+
+    return Task(names, [entry], work, size + 2 * entry.nbytes, size)
 
 
 def _merge_dense_task(

@@ -12,8 +12,11 @@ _DESCRIPTION = """\
 Merge a PEFT LoRA adapter (LoRA, rsLoRA, DoRA; rank and alpha patterns) into its base model:
 BASE is a dense or 4-bit checkpoint (nybble's or bitsandbytes' layout), ADAPTER a directory
 with adapter_config.json and adapter_model.safetensors as PEFT saves them. OUT holds the
-merged model, dense (a 4-bit base is dequantized), as PEFT's merge_and_unload gives it.
-OUT appears complete or not at all."""
+merged model, dense (a 4-bit base is dequantized), as PEFT's merge_and_unload gives it:
+modules_to_save copies saved with the adapter replace the base's weights, trainable tokens'
+rows replace those rows of the embedding (what cannot be merged exactly, such as a trained
+lm_head of a model that ties it to the embeddings, is an error). OUT appears complete or not
+at all."""
 
 _EPILOG = f"""\
 examples:

@@ -47,6 +47,16 @@ KEY_SUFFIXES = {
 }
 #: The weights file's metadata key holding the SHA-256 of the config saved with it.
 CONFIG_DIGEST_KEY = "nybble.adapter_config_sha256"
+#: Where PEFT saves the new rows of trainable tokens (trainable_token_indices), after the
+#: embedding's module path.
+TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"
+#: Modules whose weights PEFT saves whole beside LoRA's when the vocabulary was resized
+#: (`save_embedding_layers`), as `<module path>.weight`.
+EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
+#: Config fields naming the tensors saved beside LoRA's.
+EXTRA_FIELDS = ("modules_to_save", "trainable_token_indices")
+#: PEFT's trainable_token_indices: token ids (of the input embedding), or ids per module.
+TokenIndices = list[int] | dict[str, list[int]]
 #: A save's complete new files inside the adapter directory, until they are moved in.
 PENDING = ".nybble-adapter-pending"
 #: Files of an adapter, in the order a save moves them into place.
@@ -69,6 +79,15 @@ class LoraAdapter:
             None if base_model_name_or_path is None else os.fspath(base_model_name_or_path)
         )
         self.layers: dict[str, Layer] = {}
+        #: Tensors PEFT saves beside LoRA's, keyed as in the file: whole copies of the
+        #: `modules_to_save` (`base_model.model.lm_head.weight`, ...), the new rows of
+        #: trainable tokens (`...embed_tokens.token_adapter.trainable_tokens_delta`), embeddings
+        #: of a resized vocabulary. Kept as read (dtype too) and saved back unchanged; the
+        #: layers do not use them, `nybble merge` puts them in the merged model.
+        self.extra_tensors: dict[str, np.ndarray] = {}
+        #: adapter_config.json's fields that name them, kept and saved back as read.
+        self.modules_to_save: list[str] | None = None
+        self.trainable_token_indices: TokenIndices | None = None
 
     def __repr__(self) -> str:
         c = self.config
@@ -187,13 +206,22 @@ class LoraAdapter:
             task_type=None,
             base_model_name_or_path=self.base_model_name_or_path,
             inference_mode=True,
-            modules_to_save=None,
+            modules_to_save=self.modules_to_save,
+            trainable_token_indices=self.trainable_token_indices,
         )
         return dict(sorted(out.items()))
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """The adapter's tensors under PEFT's keys, as host float32 arrays."""
-        out: dict[str, np.ndarray] = {}
+        """The adapter's tensors under PEFT's keys: the layers' as host float32 arrays, and
+        `extra_tensors` as they are (ValueError for one the config's modules_to_save and
+        trainable_token_indices do not account for, which PEFT would not load)."""
+        for key, value in self.extra_tensors.items():
+            problem = _extra_problem(key, value, self.modules_to_save, self.trainable_token_indices)
+            if problem is not None:
+                raise ValueError(f"extra_tensors[{key!r}] {problem}")
+        out: dict[str, np.ndarray] = {
+            k: np.ascontiguousarray(v) for k, v in self.extra_tensors.items()
+        }
         for name, layer in self.layers.items():
             for suffix, attr in KEY_SUFFIXES.items():
                 v = getattr(layer, attr)
@@ -253,6 +281,9 @@ class LoraAdapter:
         biases = {module_name(k.removesuffix(".bias")): v for k, v in (bias or {}).items()}
         name_or_path = files.raw.get("base_model_name_or_path")
         adapter = cls(files.config, name_or_path if isinstance(name_or_path, str) else None)
+        adapter.extra_tensors = dict(files.extras)
+        adapter.modules_to_save = files.modules_to_save
+        adapter.trainable_token_indices = files.trainable_token_indices
         for name, parts in sorted(files.modules.items()):
             if name not in bases:
                 raise KeyError(
@@ -270,19 +301,25 @@ class LoraAdapter:
 @dataclass(frozen=True)
 class AdapterFiles:
     """A PEFT adapter directory as read and checked: the config (and its raw JSON), the
-    weights file, and each module's tensors by PEFT suffix (`lora_A.weight`, ...)."""
+    weights file, each module's tensors by PEFT suffix (`lora_A.weight`, ...), the tensors
+    saved beside LoRA's by key (LoraAdapter.extra_tensors) and the fields naming them."""
 
     config: LoraConfig
     raw: dict[str, Any]
     weights_path: Path
     modules: dict[str, dict[str, np.ndarray]]
+    extras: dict[str, np.ndarray]
+    modules_to_save: list[str] | None
+    trainable_token_indices: TokenIndices | None
 
 
 def read_adapter(directory: str | os.PathLike[str]) -> AdapterFiles:
     """Reads an adapter directory written by PEFT or nybble, checking everything a loader
     relies on: the config field by field, that the weights belong with it (when they record
     their config), that every module has lora_A and lora_B (and the DoRA magnitude) of the
-    configured rank. FormatError naming the file and field otherwise."""
+    configured rank, that every other tensor is one PEFT saves beside LoRA's for the config's
+    modules_to_save / trainable_token_indices (or a resized vocabulary's embeddings).
+    FormatError naming the file and field otherwise."""
     d = Path(directory)
     for attempt in range(3):
         try:
@@ -299,17 +336,122 @@ def _read_adapter(d: Path) -> AdapterFiles:
     config_path, weights_path = (
         d / PENDING / name if name in pending else d / name for name in (CONFIG_FILE, WEIGHTS_FILE)
     )
-    config = LoraConfig.from_peft(config_path)
     raw = read_json(config_path)
+    if not isinstance(raw, dict):
+        raise FormatError(config_path, "not a JSON object")
+    modules_to_save = _modules_to_save(raw.get("modules_to_save"), config_path)
+    indices = _token_indices(raw.get("trainable_token_indices"), config_path)
+    try:  # LoraConfig reads the LoRA fields; the two naming extra tensors are read here
+        config = LoraConfig.from_peft({k: v for k, v in raw.items() if k not in EXTRA_FIELDS})
+    except FormatError as e:
+        raise FormatError(config_path, e.problem, e.field) from None
     with safetensors_io.SafeTensorsFile(weights_path) as f:
         _check_pair(f.metadata, config_path, weights_path)
         tensors = {k: np.asarray(f.get(k)) for k in f.keys()}
-    modules = _group_by_module(tensors, weights_path)
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    extras: dict[str, np.ndarray] = {}
+    for key, value in tensors.items():
+        if not key.startswith(KEY_PREFIX):
+            raise FormatError(weights_path, f"does not start with {KEY_PREFIX!r}", key)
+        rest = key[len(KEY_PREFIX) :]
+        suffix = next((x for x in KEY_SUFFIXES if rest.endswith("." + x)), None)
+        if suffix is not None:
+            modules.setdefault(rest[: -len(suffix) - 1], {})[suffix] = value
+            continue
+        problem = _extra_problem(key, value, modules_to_save, indices)
+        if problem is not None:
+            raise FormatError(weights_path, problem, key)
+        extras[key] = value
     if not modules:
         raise FormatError(weights_path, "holds no LoRA tensors")
     for name, parts in modules.items():
         _check_parts(parts, config.for_module(name), name, weights_path)
-    return AdapterFiles(config, raw, weights_path, modules)
+    return AdapterFiles(config, raw, weights_path, modules, extras, modules_to_save, indices)
+
+
+def extra_tensor_kind(
+    key: str, modules_to_save: list[str] | None, indices: TokenIndices | None
+) -> str | None:
+    """What a tensor of an adapter file that is not LoRA's is, as PEFT saves them:
+    "modules_to_save" (a parameter of a module whose path ends with one of modules_to_save,
+    PEFT's match), "trainable_tokens" (the rows of `token_rows`), "embedding" (a resized
+    vocabulary's embeddings, `embed_tokens` / `lm_head` weights); None for anything else."""
+    rest = key.removeprefix(KEY_PREFIX)
+    if rest.endswith(TOKENS_SUFFIX):
+        return "trainable_tokens" if token_rows(key, indices) is not None else None
+    parts = rest.split(".")
+    for i in range(1, len(parts)):
+        if any(".".join(parts[:i]).endswith(m) for m in modules_to_save or ()):
+            return "modules_to_save"
+    if len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in EMBEDDING_LAYERS:
+        return "embedding"
+    return None
+
+
+def token_rows(key: str, indices: TokenIndices | None) -> list[int] | None:
+    """The token ids whose rows a `...token_adapter.trainable_tokens_delta` tensor holds, in
+    its order: trainable_token_indices as a list (PEFT's input embedding), or the ids of the
+    first of its keys the module's path ends with."""
+    module = key.removeprefix(KEY_PREFIX).removesuffix(TOKENS_SUFFIX)
+    if indices is None or isinstance(indices, list):
+        return indices
+    return next((ids for name, ids in indices.items() if module.endswith(name)), None)
+
+
+def _extra_problem(
+    key: str, value: np.ndarray, modules_to_save: list[str] | None, indices: TokenIndices | None
+) -> str | None:
+    kind = extra_tensor_kind(key, modules_to_save, indices)
+    if kind is None:
+        return (
+            "is not a LoRA tensor nybble reads, nor one that the config's modules_to_save or "
+            "trainable_token_indices names"
+        )
+    rows = token_rows(key, indices)
+    if kind == "trainable_tokens" and rows is not None:
+        if value.ndim != 2 or value.shape[0] != len(rows) or value.dtype.kind not in "fV":
+            return (
+                f"expected a 2-D float tensor of {len(rows)} rows (one per trainable token), "
+                f"got {value.dtype} {list(value.shape)}"
+            )
+    return None
+
+
+def _modules_to_save(value: Any, path: Path) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise FormatError(
+        path, f"expected a list of module names or null, got {_short(value)}", "modules_to_save"
+    )
+
+
+def _token_indices(value: Any, path: Path) -> TokenIndices | None:
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in v
+        )
+
+    if value is None:
+        return None
+    if ids(value):
+        return list(value)
+    if isinstance(value, dict) and all(
+        isinstance(k, str) and k and ids(v) for k, v in value.items()
+    ):
+        return {k: list(v) for k, v in value.items()}
+    raise FormatError(
+        path,
+        "expected a list of token ids, an object of module names to lists of token ids, or "
+        f"null, got {_short(value)}",
+        "trainable_token_indices",
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + "..." + text[-10:]
 
 
 def _checkpoint_weights(path: Path, modules: list[str]) -> dict[str, Any]:
@@ -408,23 +550,6 @@ def _check_pair(metadata: dict[str, str], config_path: Path, weights_path: Path)
             f"does not belong with {weights_path.name} (an interrupted save, or files of two "
             "different saves); save the adapter again",
         )
-
-
-def _group_by_module(
-    tensors: dict[str, np.ndarray], path: Path
-) -> dict[str, dict[str, np.ndarray]]:
-    modules: dict[str, dict[str, np.ndarray]] = {}
-    for key, value in tensors.items():
-        if not key.startswith(KEY_PREFIX):
-            raise FormatError(path, f"does not start with {KEY_PREFIX!r}", key)
-        rest = key[len(KEY_PREFIX) :]
-        for suffix in KEY_SUFFIXES:
-            if rest.endswith("." + suffix):
-                modules.setdefault(rest[: -len(suffix) - 1], {})[suffix] = value
-                break
-        else:
-            raise FormatError(path, "is not a LoRA tensor nybble reads", key)
-    return modules
 
 
 def _check_parts(parts: dict[str, np.ndarray], config: LoraConfig, name: str, path: Path) -> None:
