@@ -280,3 +280,63 @@ def test_suggestions_fit_and_come_smallest_first() -> None:
     assert found and all(x.total_bytes <= resolve_gpu(gpu).total_bytes for x in found)
     assert found[0].setting == "grad_checkpointing"
     assert estimate_memory("tiny", seq_len=64).suggestions("80GB") == []
+
+
+# --- arguments of the wrong type (issue 39): a ValueError naming the argument ---------------
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("targets", None),
+        ("targets", 5),
+        ("targets", b"q_proj"),
+        ("targets", {"q_proj": 1}),
+        ("targets", [None]),
+        ("double_quant", "no"),  # read by its truth, "no" was True
+        ("double_quant", None),
+        ("double_quant", 1),
+        ("grad_checkpointing", "false"),
+        ("grad_checkpointing", 0),
+        ("lora_dtype", None),  # read as "none", a bfloat16 alias
+        ("compute_dtype", None),
+        ("quant", 4),
+        ("quant", ["nf4"]),
+        ("blocksize", "64"),
+        ("batch", 2.0),
+        ("seq_len", "128"),
+        ("lora_r", None),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_value_errors_naming_them(
+    argument: str, value: Any
+) -> None:
+    arguments: dict[str, Any] = dict(seq_len=128)
+    arguments[argument] = value
+    with pytest.raises(ValueError, match=argument):
+        estimate_memory("tiny", **arguments)
+
+
+def test_numpy_scalars_are_the_numbers_they_hold() -> None:
+    np = pytest.importorskip("numpy")
+    plain = estimate_memory("tiny", batch=2, seq_len=128, lora_r=8, double_quant=False)
+    numpy = estimate_memory(
+        "tiny",
+        batch=np.int64(2),
+        seq_len=np.int32(128),
+        lora_r=np.uint8(8),
+        blocksize=np.int64(64),
+        double_quant=np.bool_(False),
+    )
+    assert numpy.total_bytes == plain.total_bytes and numpy.setup == plain.setup
+
+
+@pytest.mark.parametrize("seq_lens", [None, 5, "128", b"12"])
+def test_sweep_takes_a_list_of_lengths(seq_lens: Any) -> None:
+    with pytest.raises(ValueError, match="seq_lens"):
+        estimate_memory("tiny", seq_len=128).sweep_seq_len(seq_lens)
+
+
+def test_a_nul_in_the_model_name_is_named() -> None:
+    with pytest.raises(ValueError, match="model"):
+        estimate_memory("qwen3\0-4b")

@@ -28,7 +28,7 @@ from . import formats
 from .backends import cpu
 from .errors import FormatError
 from .formats import NESTED_BLOCKSIZE, NestedAbsmax, Packed
-from .tensor import NF4Tensor, quantize
+from .tensor import NF4Tensor, quantize, scale_problem
 
 QuantType = Literal["nf4", "fp4"]
 QUANT_TYPES: tuple[QuantType, ...] = ("nf4", "fp4")
@@ -237,11 +237,6 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
             f"{prefix}.nested_absmax",
             f"{absmax2.size} entries, expected {want}",
         )
-        _expect(
-            bool(np.all(np.isfinite(absmax2) & (absmax2 >= 0))),
-            f"{prefix}.nested_absmax",
-            "scales must be finite and >= 0",
-        )
         offset = meta.get("nested_offset")
         _expect(
             isinstance(offset, (int, float))
@@ -262,11 +257,14 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
             f"dtype {absmax.dtype}; without nested_offset the scales are float32",
         )
         absmax_f32 = np.ascontiguousarray(absmax)
-        _expect(
-            bool(np.all(np.isfinite(absmax_f32) & (absmax_f32 >= 0))),
-            f"{prefix}.absmax",
-            "scales must be finite and >= 0",
-        )
     codes_ours = swap_nibbles(np.ascontiguousarray(codes).reshape(-1))
     packed = Packed(codes_ours, absmax_f32, nested, shape, blocksize, codebook)
+    problem = scale_problem(packed)  # NaN, inf, or a scale that would flip its block's signs
+    if problem is not None:
+        fields = {
+            "nested offset": f"{key}: nested_offset",
+            "nested absmax2": f"{prefix}.nested_absmax",
+        }
+        field = next((f for k, f in fields.items() if problem.startswith(k)), f"{prefix}.absmax")
+        raise FormatError(SOURCE, problem, field)
     return NF4Tensor._trusted(packed, orig_dtype)

@@ -128,6 +128,8 @@ def dtype_name(dtype: object) -> str:
     Python, slowly enough to show in the per-call cost of a GPU launch."""
     if isinstance(dtype, str):
         return dtype
+    if dtype is None:  # numpy reads None as float64: no dtype is given
+        return "None"
     try:
         name = _DTYPE_NAMES.get(dtype)
     except TypeError:  # unhashable
@@ -146,13 +148,14 @@ def dtype_name(dtype: object) -> str:
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-def output_dtype(dtype: object) -> OutputDtype:
-    """The name of a dtype a result may have, or ValueError."""
+def output_dtype(dtype: object, what: str = "dtype") -> OutputDtype:
+    """The name of a dtype a result may have, or ValueError naming the argument `what`."""
     name = dtype_name(dtype)
     for known in OUTPUT_DTYPES:
         if name == known:
             return known
-    raise ValueError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {name!r}")
+    got = repr(dtype) if isinstance(dtype, str) or dtype is None else f"{dtype!r} ({name})"
+    raise ValueError(f"{what} must be one of {', '.join(OUTPUT_DTYPES)}, got {got}")
 
 
 def float_dtype(dtype: object, what: str = "x") -> FloatDtype:

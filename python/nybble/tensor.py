@@ -13,7 +13,7 @@ from . import backends, formats
 from .backends import Device
 from .formats import Codebook, NestedAbsmax, OutputDtype, Packed
 
-__all__ = ["NF4Tensor", "NestedAbsmax", "dequantize", "quantize"]
+__all__ = ["NF4Tensor", "NestedAbsmax", "dequantize", "quantize", "scale_problem"]
 
 
 class NF4Tensor:
@@ -49,6 +49,13 @@ class NF4Tensor:
             return backend.xp.ascontiguousarray(found)
 
         codes = array(codes, "codes")
+        if nested is not None and not isinstance(nested, NestedAbsmax):
+            raise ValueError(
+                "nested must be a nybble.tensor.NestedAbsmax (codes, absmax2, offset) or None, "
+                f"got {type(nested).__name__}"
+            )
+        if nested is not None and absmax is not None:
+            raise ValueError("give plain scales (absmax) or nested ones, not both")
         if nested is not None:
             nested = NestedAbsmax(
                 array(nested.codes, "nested.codes"),
@@ -66,14 +73,10 @@ class NF4Tensor:
             formats.check_blocksize(blocksize),
             formats.check_codebook(codebook),
         ).check()
-        self._init(packed, formats.output_dtype(orig_dtype))
-        scales = absmax if nested is None else nested.absmax2
-        bad = backend.first_non_finite(scales)
-        if bad is not None or bool(backend.xp.any(scales < 0)):
-            raise ValueError(
-                f"{'absmax' if nested is None else 'nested absmax2'}: scales must be finite "
-                "and >= 0"
-            )
+        self._init(packed, formats.output_dtype(orig_dtype, "orig_dtype"))
+        problem = scale_problem(packed)
+        if problem is not None:
+            raise ValueError(problem)
 
     def _init(self, packed: Packed, orig_dtype: OutputDtype) -> None:
         self._packed = packed
@@ -167,6 +170,7 @@ class NF4Tensor:
         """`value(code) * absmax` in float32, rounded (nearest-even) to float32/float16/bfloat16;
         an array of this tensor's shape on its device (or `out`, a C-contiguous array of its
         size and `dtype` on its device, filled and returned)."""
+        out = _plain(out)
         quick = self._dequantize_call
         if quick is not None and type(dtype) is str:
             found = quick(dtype, out)
@@ -209,6 +213,9 @@ class NF4Tensor:
         flat = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
         codes, absmax = cpu.BACKEND.from_blocks36(flat, math.prod(dims))
         packed = Packed(codes, absmax, None, dims, formats.BLOCK36_VALUES, cb)
+        problem = scale_problem(packed, decoded_negatives=True)
+        if problem is not None:
+            raise ValueError(f"buf (the 36-byte block layout): {problem}")
         return cls._trusted(packed, "float32")
 
     def with_plain_scales(self) -> NF4Tensor:
@@ -247,6 +254,69 @@ class NF4Tensor:
         return NF4Tensor._trusted(packed, self.orig_dtype)
 
 
+#: The widest gap between neighbouring entries of the signed dynamic 8-bit map (0.0141): a
+#: double-quantized scale decodes to within one gap x its group's absmax2 of the scale it
+#: stands for (bitsandbytes' CPU quantizer may take the farther neighbour), so a scale >= 0
+#: never decodes below -gap x absmax2 (absmax2 is at most the largest scale). Blocks far
+#: below the mean scale do land a hair below zero.
+_NESTED_MAP_GAP = float(np.diff(np.sort(formats.values("dynamic8"))).max())
+
+
+def _first(bad: Any, backend: backends.Backend) -> int | None:
+    """Index of the first true entry of a boolean array, or None."""
+    if not bool(backend.xp.any(bad)):
+        return None
+    return int(backend.xp.argmax(bad))
+
+
+def scale_problem(packed: Packed, decoded_negatives: bool = False) -> str | None:
+    """What is wrong with a tensor's scales, naming the first bad block, or None: a plain
+    scale must be finite and >= 0 (a negative one flips the signs of its block); a nested
+    state's absmax2 likewise, its offset (the mean of the scales) >= 0, and no scale may
+    decode below zero by more than the map's rounding. With `decoded_negatives`, plain scales
+    may also be negative as double quantization's decoding leaves them (what `to_blocks`
+    writes of a double-quantized tensor): at most two map gaps of the largest scale below
+    zero, and not below the rounding of sums of the mean's size (2^-50 of the mean), which a
+    stray tiny negative (-2.35e-38) is. Reads the scales back from a GPU."""
+    backend = backends.of(packed.codes)
+    xp = backend.xp
+    nested = packed.nested
+    if nested is None:
+        scales: Any = packed.absmax
+        finite = xp.isfinite(scales)
+        bad = ~(finite & (scales >= 0))
+        if decoded_negatives and bool(xp.any(bad & finite)):
+            magnitude = xp.where(finite, xp.abs(scales), 0)
+            hi = 2 * _NESTED_MAP_GAP * float(xp.max(xp.where(finite, scales, 0)))
+            lo = 2.0**-50 * float(xp.mean(magnitude, dtype=xp.float64))
+            bad &= ~(finite & (magnitude <= hi) & (magnitude >= lo))
+        i = _first(bad, backend)
+        if i is None:
+            return None
+        return (
+            f"absmax: block {i} has scale {float(scales[i])!r}; scales must be finite and >= 0 "
+            "(a negative one flips the signs of its block)"
+        )
+    a2 = nested.absmax2
+    i = _first(~(xp.isfinite(a2) & (a2 >= 0)), backend)
+    if i is not None:
+        return f"nested absmax2: entry {i} is {float(a2[i])!r}; it must be finite and >= 0"
+    if not nested.offset >= 0:
+        return (
+            f"nested offset is {nested.offset!r}; it is the mean of the scales, which are >= 0, "
+            "so it must be >= 0"
+        )
+    decoded = backend.double_dequantize(nested)
+    group = xp.repeat(a2, formats.NESTED_BLOCKSIZE)[: decoded.size]
+    i = _first(decoded < -_NESTED_MAP_GAP * group, backend)
+    if i is not None:
+        return (
+            f"nested scales: block {i} decodes to {float(decoded[i])!r}, below zero by more than "
+            "the 8-bit map's rounding: a negative scale flips the signs of its block"
+        )
+    return None
+
+
 def _finite_offset(offset: object) -> float:
     try:
         value = float(offset)  # type: ignore[arg-type]
@@ -264,9 +334,18 @@ def quantize(
 
     `x`: float32, float16, bfloat16 or float64, any strides, either byte order; numpy (or any
     host `__dlpack__` array) runs on the CPU, a CuPy / CUDA array on the GPU. NaN or inf:
-    NonFiniteError with the first flat index (`.index`)."""
+    NonFiniteError with the first flat index (`.index`). A numpy subclass (np.matrix, a masked
+    array without masked elements) is read as the plain array it holds."""
     bs = formats.check_blocksize(blocksize)
     cb = formats.check_codebook(codebook)
+    if not isinstance(double_quant, (bool, np.bool_)):
+        raise ValueError(f"double_quant must be True or False, got {double_quant!r}")
+    if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+        raise ValueError(
+            "x is a masked array with masked elements: quantize reads every element; pass "
+            "x.filled(value) or the unmasked values"
+        )
+    x = _plain(x)
     backend = backends.of(x)
     a = backend.float_array(x)
     codes, absmax = backend.quantize(a, bs, cb)
@@ -279,4 +358,14 @@ def quantize(
 
 def dequantize(q: NF4Tensor, dtype: Any = "float32", out: Any = None) -> Any:
     """Same as `q.dequantize(dtype, out)`."""
+    if not isinstance(q, NF4Tensor):
+        raise ValueError(f"q must be an NF4Tensor (from nybble.quantize), got {type(q).__name__}")
     return q.dequantize(dtype, out)
+
+
+def _plain(a: Any) -> Any:
+    """A numpy subclass (np.matrix, np.ma.MaskedArray, np.memmap) as a plain ndarray view of
+    the same memory: the core reads plain arrays only."""
+    if isinstance(a, np.ndarray) and type(a) is not np.ndarray:
+        return a.view(np.ndarray)
+    return a

@@ -38,14 +38,31 @@ PEFT_NAMES = {"alpha": "lora_alpha", "dropout": "lora_dropout", "init": "init_lo
 
 
 def _pairs(value: Any, what: str) -> tuple[tuple[str, float], ...]:
-    """A PEFT pattern dict ({module-path regex: value}) as sorted-by-insertion pairs."""
+    """A PEFT pattern dict ({module-path regex: value}, or its (key, value) pairs) as pairs in
+    insertion order; InvalidField for anything else, a key that is no string or a value that
+    is a non-finite number."""
     if value is None:
         return ()
-    if isinstance(value, tuple):
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
         value = dict(value)
     if not isinstance(value, Mapping):
-        raise InvalidField(what, "must be a mapping of module patterns to numbers")
+        raise InvalidField(
+            what, f"must be a mapping of module patterns to numbers, got {value!r:.80}"
+        )
+    for key, number in value.items():
+        if not isinstance(key, str):
+            raise InvalidField(what, f"keys must be module-path patterns (strings), got {key!r}")
+        _finite(number, f"{what}[{key!r}]")
     return tuple((k, v) for k, v in value.items())
+
+
+def _finite(value: Any, what: str) -> None:
+    """InvalidField for a float that is NaN or infinite (1e999 reads as inf): nothing it
+    sets can be computed, and JSON cannot hold it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        name = what.split("[", 1)[0]
+        index = what[len(name) :] + " " if what != name else ""
+        raise InvalidField(name, f"{index}must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True, init=False)
@@ -109,6 +126,8 @@ class LoraConfig:
             "rank_pattern": _pairs(rank_pattern, "rank_pattern"),
             "alpha_pattern": _pairs(alpha_pattern, "alpha_pattern"),
         }
+        for name in ("alpha", "dropout"):
+            _finite(values[name], name)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -191,6 +210,7 @@ class LoraConfig:
         """Whether a module path (e.g. model.layers.0.self_attn.q_proj) is a target: "all-
         linear" takes every one; a single string is a regular expression matched against the
         whole path; a list names leaves or dotted suffixes of the path."""
+        _module_path(name)
         t = self.target_modules
         if t == "all-linear":  # as PEFT: every linear layer but the output layer
             return name.rsplit(".", 1)[-1] != "lm_head"
@@ -201,6 +221,7 @@ class LoraConfig:
     def for_module(self, name: str) -> LoraConfig:
         """The config of one module: r and alpha from rank_pattern / alpha_pattern where a
         pattern matches the end of its path (PEFT's rule), this config's otherwise."""
+        _module_path(name)
         r = _pattern(self.rank_pattern, name, self.r)
         alpha = _pattern(self.alpha_pattern, name, self.alpha)
         if r == self.r and alpha == self.alpha:
@@ -208,6 +229,10 @@ class LoraConfig:
         return replace(self, r=int(r), alpha=float(alpha), rank_pattern=(), alpha_pattern=())
 
     def with_(self, **changes: Any) -> LoraConfig:
+        unknown = sorted(set(changes) - set(self.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(self.__dataclass_fields__)
+            raise ValueError(f"LoraConfig has no field {unknown[0]!r} (its fields: {known})")
         return replace(self, **changes)
 
     # --- PEFT's adapter_config.json ---------------------------------------------------------
@@ -220,6 +245,11 @@ class LoraConfig:
         path: Path | None = None
         if isinstance(source, Mapping):
             raw: Any = source
+        elif not isinstance(source, (str, os.PathLike)):
+            raise ValueError(
+                "source must be adapter_config.json's dict, the file or its directory, got "
+                f"{type(source).__name__}"
+            )
         else:
             path = Path(source)
             if path.is_dir():
@@ -255,7 +285,9 @@ class LoraConfig:
             raise FormatError(where, str(e), PEFT_NAMES.get(e.field, e.field)) from None
 
     def to_peft(self) -> dict[str, Any]:
-        """The fields of PEFT's adapter_config.json this config sets."""
+        """The fields of PEFT's adapter_config.json this config sets (validated first: what
+        is written is what `from_peft` reads back)."""
+        self.validate()
         targets: str | list[str] = (
             self.target_modules
             if isinstance(self.target_modules, str)
@@ -320,11 +352,25 @@ def _is(value: Any, kind: str) -> bool:
 
 
 def _either(name: str, value: Any, peft_name: str, peft_value: Any, default: Any) -> Any:
-    if value is not None and peft_value is not None and value != peft_value:
+    if value is not None and peft_value is not None and not _same(value, peft_value):
         raise InvalidField(name, f"={value!r} and {peft_name}={peft_value!r} disagree")
     if value is not None:
         return value
     return peft_value if peft_value is not None else default
+
+
+def _same(a: Any, b: Any) -> bool:
+    """a == b for the plain values a field takes; False for what has no single truth value
+    (arrays), which validate() refuses anyway."""
+    try:
+        return bool(a is b or a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _module_path(name: object) -> None:
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a module path (a string), got {name!r}")
 
 
 def _peft_init(value: bool | str | None) -> str | None:
@@ -380,9 +426,28 @@ def read_json(path: Path) -> Any:
     if len(data) > MAX_CONFIG_BYTES:
         raise FormatError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not a config file")
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(path, f"not valid JSON ({e})") from None
+    field = _non_finite_field(value)
+    if field is not None:  # json reads a number beyond float64 (1e999) as inf
+        raise FormatError(path, "a number beyond float64's range (read as inf)", field)
+    return value
+
+
+def _non_finite_field(value: Any) -> str | None:
+    """The path (`rope_scaling.factor`, `layers[2]`) of the first non-finite float in parsed
+    JSON, or None."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return path or "(the document)"
+        if isinstance(v, dict):
+            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
+    return None
 
 
 def _no_constant(name: str) -> float:

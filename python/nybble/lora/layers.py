@@ -115,6 +115,14 @@ class QuantBase:
         pass
 
 
+def _check_config(config: object) -> None:
+    if not isinstance(config, LoraConfig):
+        raise ValueError(
+            f"config must be a nybble.LoraConfig (LoraConfig(r=..., alpha=...)), got "
+            f"{type(config).__name__}"
+        )
+
+
 def _float_matrix(w: Any, what: str) -> Any:
     """A float32 copy of a 2-D host or device array (the layer owns its weight), finite."""
     backend = backends.of(w)
@@ -535,6 +543,7 @@ class LoraLinear(_LoraLayer):
     """A dense frozen weight W [out, in] ([in, out] with fan_in_fan_out) plus LoRA."""
 
     def __init__(self, weight: Any, config: LoraConfig, bias: Any = None, name: str = "") -> None:
+        _check_config(config)
         self.weight = _float_matrix(weight, "weight")
         self._base = _dense_base(self.weight, config.fan_in_fan_out)
         self._init_adapter(config, bias, name)
@@ -599,6 +608,7 @@ class QLoraLinear(_LoraLayer):
         name: str = "",
         codebook: str = "nf4",
     ) -> None:
+        _check_config(config)
         if isinstance(weight, NF4Tensor):
             q = weight
             if q.ndim != 2:

@@ -411,13 +411,32 @@ def parse_json(data: bytes, source: object) -> Any:
         return int(text)
 
     try:
-        return json.loads(data, parse_constant=constant, parse_int=integer)
+        value = json.loads(data, parse_constant=constant, parse_int=integer)
     except UnicodeDecodeError as e:
         raise FormatError(source, f"not UTF-8 text: {e.reason}") from None
     except json.JSONDecodeError as e:
         raise FormatError(source, f"not valid JSON: {e}") from None
     except RecursionError:
         raise FormatError(source, "JSON nested too deeply") from None
+    field = non_finite_field(value)
+    if field is not None:  # json reads a number beyond float64 (1e999) as inf
+        raise FormatError(source, "a number beyond float64's range (read as inf)", field)
+    return value
+
+
+def non_finite_field(value: Any) -> str | None:
+    """The path (`rope_scaling.factor`, `layers[2]`) of the first non-finite float in parsed
+    JSON, or None."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return path or "(the document)"
+        if isinstance(v, dict):
+            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
+    return None
 
 
 class _Reader:

@@ -189,6 +189,8 @@ class MemoryEstimate:
 
     def sweep_seq_len(self, seq_lens: Sequence[int]) -> list[MemoryEstimate]:
         """The same setup at other sequence lengths (for plots)."""
+        if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, Sequence | range):
+            raise ValueError(f"seq_lens must be a list of sequence lengths, got {seq_lens!r}")
         return [self._at(seq_len=n) for n in seq_lens]
 
     def _at(self, **changes: Any) -> MemoryEstimate:

@@ -21,7 +21,11 @@ FORMAT_ALIASES.update({"f32": "float32", "none": "bfloat16"})
 NESTED_BLOCKSIZE = 256
 
 
-def normalize_format(quant: str) -> str:
+def normalize_format(quant: str | None) -> str:
+    """A base format's name; None (no quantization) is a bfloat16 base, as "none"."""
+    if quant is not None and not isinstance(quant, str):
+        known = ", ".join(QUANTIZED_FORMATS + tuple(FLOAT_FORMATS))
+        raise ValueError(f"quant must be a format name ({known}), got {quant!r}")
     key = str(quant).strip().lower()
     key = FORMAT_ALIASES.get(key, key)
     if key not in QUANTIZED_FORMATS and key not in FLOAT_FORMATS:
@@ -31,14 +35,29 @@ def normalize_format(quant: str) -> str:
 
 
 def normalize_dtype(dtype: str, what: str) -> str:
-    key = str(dtype).strip().lower()
+    if not isinstance(dtype, str):  # str(None) would read as "none", a bfloat16 alias
+        raise ValueError(f"{what} must be one of {', '.join(FLOAT_FORMATS)}, got {dtype!r}")
+    key = dtype.strip().lower()
     key = FORMAT_ALIASES.get(key, key)
     if key not in FLOAT_FORMATS:
         raise ValueError(f"{what} must be one of {', '.join(FLOAT_FORMATS)}, got {dtype!r}")
     return key
 
 
+def numpy_scalar(value: object, kinds: str) -> bool:
+    """Whether `value` is a numpy scalar of one of the dtype `kinds` ("b" bool, "iu" integer),
+    told without importing numpy (the estimator is pure Python)."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return (
+        type(value).__module__ == "numpy"
+        and getattr(value, "ndim", None) == 0
+        and (kind is not None and kind in kinds)
+    )
+
+
 def check_blocksize(blocksize: int) -> int:
+    if numpy_scalar(blocksize, "iu"):
+        blocksize = int(blocksize)
     if isinstance(blocksize, bool) or not isinstance(blocksize, int):
         raise ValueError(f"blocksize must be an integer, got {blocksize!r}")
     if blocksize < 32 or blocksize > 4096 or blocksize & (blocksize - 1):

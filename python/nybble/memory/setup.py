@@ -11,7 +11,13 @@ from typing import Any
 
 from .arch import MLP_PROJECTIONS, PROJECTIONS, SHARED_EXPERT_GATE, Architecture
 from .presets import MODEL_PRESETS
-from .quant import QUANTIZED_FORMATS, check_blocksize, normalize_dtype, normalize_format
+from .quant import (
+    QUANTIZED_FORMATS,
+    check_blocksize,
+    normalize_dtype,
+    normalize_format,
+    numpy_scalar,
+)
 
 #: The training loops an estimate can model (memory.timeline says how they differ): "plain",
 #: the plain loop of docs/estimator.md (new input ids each step, labels = the ids, no
@@ -83,6 +89,8 @@ def resolve_model(model: ModelLike) -> Architecture:
         return Architecture.from_config(model)
     if isinstance(model, (str, Path)):
         text = str(model)
+        if "\0" in text:
+            raise ValueError(f"model {text!r}: a name or path holds no NUL character")
         key = text.strip().lower()
         if key in MODEL_PRESETS:
             return Architecture.from_config(MODEL_PRESETS[key], name=key)
@@ -146,6 +154,11 @@ def resolve_targets(targets: str | Sequence[str], arch: Architecture) -> tuple[s
     """PEFT's `target_modules` on `arch`: "all-linear" (every linear layer but lm_head, as PEFT
     finds them: never the fused experts of a mixture of experts) or a list of names."""
     present = arch.linear_names()
+    if not isinstance(targets, (str, list, tuple)):
+        raise ValueError(
+            "targets must be 'all-linear', 'attention', 'mlp', a comma-separated string or a "
+            f"list of projection names, got {targets!r}"
+        )
     if isinstance(targets, str):
         key = targets.strip().lower()
         if key in ALL_LINEAR:
@@ -180,7 +193,17 @@ def _loop(loop: str) -> str:
     return key
 
 
+def _flag(value: Any, name: str) -> bool:
+    """True or False (numpy's too); anything else is refused rather than read by its truth:
+    "no" and "false" are true."""
+    if not (isinstance(value, bool) or numpy_scalar(value, "b")):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def _positive_int(value: Any, name: str, maximum: int) -> int:
+    if numpy_scalar(value, "iu"):  # numpy's integers are integers
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value < 1:
@@ -328,7 +351,7 @@ class TrainingSetup:
             arch=arch,
             quant=fmt,
             blocksize=check_blocksize(blocksize) if fmt in QUANTIZED_FORMATS else blocksize,
-            double_quant=bool(double_quant) and fmt in QUANTIZED_FORMATS,
+            double_quant=_flag(double_quant, "double_quant") and fmt in QUANTIZED_FORMATS,
             lora_r=r,
             targets=tgt,
             lora_dtype=normalize_dtype(lora_dtype, "lora_dtype"),
@@ -336,7 +359,7 @@ class TrainingSetup:
             optimizer=opt,
             batch=_positive_int(batch, "batch", MAX_BATCH),
             seq_len=_positive_int(seq_len, "seq_len", MAX_SEQ_LEN),
-            grad_checkpointing=bool(grad_checkpointing),
+            grad_checkpointing=_flag(grad_checkpointing, "grad_checkpointing"),
             compute_dtype=normalize_dtype(compute_dtype, "compute_dtype"),
             loop=_loop(loop),
             expert_targets=experts,
@@ -349,4 +372,7 @@ class TrainingSetup:
             _positive_int(changes["seq_len"], "seq_len", MAX_SEQ_LEN)
         if "lora_r" in changes:
             _positive_int(changes["lora_r"], "lora_r", MAX_LORA_R)
+        for name in ("grad_checkpointing", "double_quant"):
+            if name in changes:
+                _flag(changes[name], name)
         return replace(self, **changes)
