@@ -14,7 +14,7 @@ import pytest
 
 from nybble.memory.allocator import replay
 
-TRACES = sorted((Path(__file__).parents[1] / "benchmarks/memory/results/traces").glob("*.json.gz"))
+TRACES = sorted((Path(__file__).parent / "fixtures" / "memory" / "traces").glob("*.json.gz"))
 
 
 def trace_events(doc: dict[str, Any]) -> tuple[list[tuple[str, int, int]], int, int]:

@@ -36,7 +36,8 @@ from nybble.memory.estimate import _largest_within
 from nybble.memory.frameworks import FRAMEWORKS, blk
 from nybble.memory.presets import GiB, MiB
 
-MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "memory" / "results"
+#: Measured runs (benchmarks/memory/measure_peft_bnb.py), kept as the validation fixtures.
+MEASURED = Path(__file__).resolve().parent / "fixtures" / "memory"
 
 
 # --- fixture facts (docs/contracts.md) ------------------------------------------------------------
@@ -445,7 +446,7 @@ def test_the_outside_part_is_the_measured_one() -> None:
             assert 0 <= step["outside"] - DEFAULT_OUTSIDE_ALLOCATOR <= 2 * MiB, rec["run"]
 
 
-# --- against the validation run (benchmarks/memory/results/results.jsonl) -----------------
+# --- against the validation run (tests/fixtures/memory/results.jsonl) ---------------------
 # measure_peft_bnb.py as docs/estimator.md describes it: one fresh process per configuration,
 # the plain loop of docs/estimator.md (the diagnose pair in the benchmark loop too), 4 steps,
 # NVML after each;

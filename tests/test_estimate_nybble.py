@@ -1,6 +1,6 @@
 """The estimator's `framework="nybble"` (nybble's own GPU trainer): the CuPy pool simulation's
 rules, the pool against the allocation traces measured on an H100, the estimates against the
-measured runs (development and held-out sets, benchmarks/memory/results/nybble/), the
+measured runs (development and held-out sets, tests/fixtures/memory/nybble/), the
 settings it refuses, and what any estimate must satisfy."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from nybble.memory import MODEL_PRESETS, TrainingSetup, estimate_memory
 from nybble.memory import nybble_timeline as nt
 from nybble.memory.cupy_pool import CupyPool, round_size
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "memory" / "results" / "nybble"
+RESULTS = Path(__file__).resolve().parent / "fixtures" / "memory" / "nybble"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory"
 MiB = 1 << 20
 
 
@@ -27,7 +28,7 @@ def measured(name: str) -> list[dict[str, Any]]:
 
 
 def estimate_of(config: dict[str, Any]) -> Any:
-    sys.path.insert(0, str(RESULTS.parent.parent))
+    sys.path.insert(0, str(BENCH))
     try:
         from measure_nybble import estimate
     finally:

@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "memory"
+MEASURED = Path(__file__).resolve().parent / "fixtures" / "memory"
 
 
 def _module(name: str) -> ModuleType:
@@ -145,7 +146,7 @@ def test_a_configuration_two_sets_measure_gets_two_run_ids() -> None:
 
 
 def test_compare_keeps_both_sets_and_the_last_record_of_a_run(tmp_path: Path) -> None:
-    base = json.loads((BENCH / "results" / "results.jsonl").read_text().splitlines()[0])
+    base = json.loads((MEASURED / "results.jsonl").read_text().splitlines()[0])
     lines = [
         dict(base, set="committed", run="x", measured_total=1),
         dict(base, set="diagnose", run="x", measured_total=2),
@@ -159,8 +160,23 @@ def test_compare_keeps_both_sets_and_the_last_record_of_a_run(tmp_path: Path) ->
 
 @pytest.mark.parametrize("name", ["measured.jsonl", "holdout.jsonl"])
 def test_old_protocol_rows_are_recomputed_and_marked(name: str) -> None:
-    table = compare.rows(BENCH / "results" / "old-protocol" / name)
+    table = compare.rows(MEASURED / "old-protocol" / name)
     assert table and all(
         r["protocol"] == "old protocol" and r["loop"] == "benchmark" for r in table
     )
     assert all(abs(r["error_total"]) <= compare.TOLERANCE for r in table)
+
+
+def test_the_measured_runs_are_kept_once_as_the_tests_fixtures() -> None:
+    """The runs the scripts measured live in tests/fixtures/memory (what the tests read, and
+    compare.py by default); benchmarks/memory/results holds only what compare.py derives
+    from them. No file is kept twice."""
+    for name in ("results.jsonl", "old-protocol/measured.jsonl", "old-protocol/holdout.jsonl"):
+        assert (MEASURED / name).is_file(), name
+    assert len(list((MEASURED / "traces").glob("*.json.gz"))) == 16
+    assert {p.name for p in (MEASURED / "nybble").glob("*.jsonl")} == {"dev.jsonl", "holdout.jsonl"}
+    assert compare.MEASURED == MEASURED
+    derived = [p for p in (BENCH / "results").rglob("*") if p.is_file()]
+    assert derived and all(p.stem == "comparison" for p in derived), derived
+    fixtures = {p.read_bytes() for p in MEASURED.rglob("*") if p.is_file()}
+    assert not any(p.read_bytes() in fixtures for p in derived)

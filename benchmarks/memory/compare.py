@@ -11,8 +11,10 @@ total: the steady step's reserved peak plus the process's memory outside the all
 it (NVML minus `memory_reserved()`), the largest over steps 2 on. `covered` says whether the
 measured total is within the estimate plus its stated margin.
 
-Without `--measured` it compares the committed validation run (results/results.jsonl).
-Rows of results/old-protocol/measured.jsonl and holdout.jsonl are marked `old protocol`: they
+Without `--measured` it compares the committed validation run (tests/fixtures/memory/
+results.jsonl: the measured runs are kept once, as the tests' fixtures; the comparisons it
+writes go to benchmarks/memory/results). Rows of the fixtures' old-protocol/measured.jsonl
+and holdout.jsonl are marked `old protocol`: they
 were measured with the benchmark loop before the protocol counted the memory outside the allocator
 after a step. Their total is recomputed under the new definition from what they recorded (step
 2's reserved peak plus NVML minus reserved at the end of the run) and compared with the
@@ -32,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+#: Where the comparisons are written (`--write`), and the measured runs they compare.
 RESULTS = HERE / "results"
+MEASURED = HERE.parents[1] / "tests" / "fixtures" / "memory"
 #: The accuracy the estimator is held to (issue 18).
 TOLERANCE = 0.03
 
@@ -208,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         "--measured",
         action="append",
         default=None,
-        help="a results JSONL (repeatable); default: the committed results/results.jsonl",
+        help="a results JSONL (repeatable); default: tests/fixtures/memory/results.jsonl",
     )
     ap.add_argument(
         "--write", metavar="DIR", default=None, help="write comparison.{json,csv,md} there"
     )
     args = ap.parse_args(argv)
-    paths = [Path(p) for p in args.measured] if args.measured else [RESULTS / "results.jsonl"]
+    paths = [Path(p) for p in args.measured] if args.measured else [MEASURED / "results.jsonl"]
     table: list[dict[str, Any]] = []
     for path in paths:
         table += rows(path)

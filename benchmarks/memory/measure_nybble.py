@@ -20,7 +20,8 @@ source line that asked for it, to compare with the estimator's timeline event by
 
 Writes OUT/results.jsonl (one record per configuration, appended as each ends) and, at the
 end, OUT/comparison.jsonl: each run against its estimate (`--compare RESULTS` makes that
-table again anywhere, without a GPU).
+table again anywhere, without a GPU). The committed runs are the tests' fixtures:
+tests/fixtures/memory/nybble/ (dev.jsonl, holdout.jsonl, traces/).
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 #: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
 #: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS. The first
-#: six are those of results/traces (tests/test_allocator_traces.py reads "step2").
+#: six are those of tests/fixtures/memory/traces (tests/test_allocator_traces.py reads "step2").
 MARK = 777_001
 MARK_POINTS = (
     "after_load", "after_prepare", "after_peft", "step1", "step2", "step2_end", "step3", "step4",
@@ -254,7 +254,7 @@ def config_id(c: dict[str, Any]) -> str:
 
 
 def committed_configs() -> list[dict[str, Any]]:
-    """The configurations of results/old-protocol/measured.jsonl (measured before with the
+    """The configurations of tests/fixtures/memory/old-protocol/measured.jsonl (measured with the
     benchmark loop), most important first."""
     out: list[dict[str, Any]] = []
     core = [
@@ -287,7 +287,7 @@ def committed_configs() -> list[dict[str, Any]]:
     return out
 
 
-#: results/old-protocol/holdout.jsonl's configurations (held out of the allocation model's
+#: tests/fixtures/memory/old-protocol/holdout.jsonl's configurations (held out of the model's
 #: construction).
 HOLDOUT_CONFIGS = [
     dict(arch="qwen3-0.6b", layers=28, batch=3, seq=1024, gc=True),

@@ -7,7 +7,7 @@ driver 580 and torch 2.11+cu130, 518 MiB before any tensor, 612 MiB after the fi
 and 742 MiB after a QLoRA training step (an earlier probe read 619 and 751
 MiB: a process that had loaded more). The figure that sits next to the reserved
 peak is the last one: NVML's process memory minus `memory_reserved()` right after a steady
-step. The validation run (benchmarks/memory/results/results.jsonl) measured it after each of 4
+step. The validation run (tests/fixtures/memory/results.jsonl) measured it after each of 4
 steps in 79 fresh processes: 742 MiB in all 75 dense ones from step 1 on, 744 MiB in the 4
 mixtures of experts (docs/estimator.md). `total_bytes` adds it to the replayed reserved peak.
 

@@ -7,7 +7,7 @@ for one `TrainingSetup`: model load (transformers' allocator warm-up, then each 
 in bf16 and quantized), `prepare_model_for_kbit_training` (float32 copies of the unquantized
 weights, `empty_cache`), PEFT's adapters, then training steps (forward, loss, backward,
 AdamW, `zero_grad`). Each op is written as the tensors it allocates and frees, as the
-allocation traces of real runs (benchmarks/memory/results/traces) show them; tensors of a few
+allocation traces of real runs (tests/fixtures/memory/traces) show them; tensors of a few
 kilobytes that live for one op are left out. A ("step", n) event starts step n (peak counters
 reset, as a measurement resets them) and ("phase", i) events name the part of the step that
 follows (`Tape.phases[i]`).
