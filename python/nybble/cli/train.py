@@ -513,7 +513,15 @@ def run(args: argparse.Namespace) -> int:
     losses: list[float] = []
     evals: list[dict[str, float]] = []
     if args.resume and checkpoint.exists():
-        extra = trainer.load_checkpoint(checkpoint)
+        try:
+            extra = trainer.load_checkpoint(checkpoint)
+        except FormatError as e:
+            if e.field != "schedule":
+                raise
+            raise CliError(
+                f"{checkpoint}: the run was started with another learning-rate schedule "
+                f"({e.problem}); resume with the same --steps, --schedule and --warmup"
+            ) from None
         if extra.get("data") != data.record:
             raise CliError(
                 f"{checkpoint} was trained on {extra.get('data')}, not {data.record}: resume "

@@ -450,14 +450,14 @@ class Trainer:
         to_host = self.backend.to_host
         layers = self.lora_layers()
 
+        projections = {p.name: p for layer in model.layers for p in layer.proj.values()}
+
         def value(name: str) -> np.ndarray:
-            module = name.rsplit(".", 1)[0]
-            if module in layers:
+            module, leaf = name.rsplit(".", 1)
+            if leaf == "weight" and module in layers:
                 return np.asarray(to_host(layers[module].merged_weight("float32")))
-            for layer in model.layers:
-                proj = next((p for p in layer.proj.values() if f"{p.name}.weight" == name), None)
-                if proj is not None:
-                    return np.asarray(to_host(proj.base_weight()), np.float32)
+            if leaf == "weight" and module in projections:
+                return np.asarray(to_host(projections[module].base_weight()), np.float32)
             return np.asarray(to_host(model.weights[name]), np.float32)
 
         shapes = model.weight_shapes()
