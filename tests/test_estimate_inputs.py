@@ -220,7 +220,7 @@ def test_moe_fields_are_checked() -> None:
 
 def test_gpu_in_python_as_on_the_command_line() -> None:
     est = estimate_memory("tiny", seq_len=64, gpu="rtx4090")
-    assert est.fits() and est.headroom() == est.gpu_bytes() - est.total_bytes
+    assert est.fits() and est.headroom() == est.gpu_bytes() - est.required_bytes
     assert est.gpu is not None and est.gpu.name == "rtx4090"
     d = est.to_dict()["gpu"]
     assert d["fits"] is True and d["bytes"] == resolve_gpu("RTX 4090").total_bytes
@@ -277,7 +277,7 @@ def test_suggestions_fit_and_come_smallest_first() -> None:
     gpu = "rtx4060"
     assert not est.fits(gpu)
     found = est.suggestions(gpu)
-    assert found and all(x.total_bytes <= resolve_gpu(gpu).total_bytes for x in found)
+    assert found and all(x.required_bytes <= resolve_gpu(gpu).total_bytes for x in found)
     assert found[0].setting == "grad_checkpointing"
     assert estimate_memory("tiny", seq_len=64).suggestions("80GB") == []
 

@@ -9,13 +9,14 @@ recorded), layer count, batch, sequence length, gradient checkpointing, LoRA ran
 optimizer and training loop. The error is `(estimate - measured) / measured` of the protocol's
 total: the steady step's reserved peak plus the process's memory outside the allocator after
 it (NVML minus `memory_reserved()`), the largest over steps 2 on. `covered` says whether the
-measured total is within the estimate plus its stated margin.
+measured total is within the estimate plus its stated margin, `counted` whether it is within
+`required_bytes`, the figure the verdicts compare with a GPU (docs/estimator.md).
 
 Without `--measured` it compares the committed validation run (tests/fixtures/memory/
-results.jsonl: the measured runs are kept once, as the tests' fixtures; the comparisons it
-writes go to benchmarks/memory/results). Rows of the fixtures' old-protocol/measured.jsonl
-and holdout.jsonl are marked `old protocol`: they
-were measured with the benchmark loop before the protocol counted the memory outside the allocator
+results.jsonl) and issue 39's run (issue39.jsonl): the measured runs are kept once, as the
+tests' fixtures; the comparisons it writes go to benchmarks/memory/results. Rows of the
+fixtures' old-protocol/measured.jsonl and holdout.jsonl are marked `old protocol`: they were
+measured with the benchmark loop before the protocol counted the memory outside the allocator
 after a step. Their total is recomputed under the new definition from what they recorded (step
 2's reserved peak plus NVML minus reserved at the end of the run) and compared with the
 benchmark loop's estimate.
@@ -132,6 +133,8 @@ def rows(path: Path, set_name: str | None = None) -> list[dict[str, Any]]:
                 within_tolerance=abs(err) <= TOLERANCE,
                 margin=est.margin_bytes,
                 covered=total <= est.total_bytes + est.margin_bytes,
+                required=est.required_bytes,
+                counted=total <= est.required_bytes,
                 measured_reserved=reserved,
                 estimated_reserved=est.reserved_peak_bytes,
                 measured_allocated=allocated,
@@ -150,8 +153,8 @@ def render(table: list[dict[str, Any]]) -> str:
     gib = 2**30
     lines = [
         "| set | model (layers) | batch | seq | grad ckpt | loop | measured GiB | estimate GiB "
-        "| error | margin GiB | protocol |",
-        "|---|---|--:|--:|---|---|--:|--:|--:|--:|---|",
+        "| error | margin GiB | verdict counts GiB | protocol |",
+        "|---|---|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
     for r in table:
         name = f"{r['arch']} ({r['layers']}){' ' + r['variant'] if r['variant'] else ''}"
@@ -160,11 +163,12 @@ def render(table: list[dict[str, Any]]) -> str:
             f"{'on' if r['grad_checkpointing'] else 'off'} | {r['loop']} |"
         )
         if "error" in r:
-            lines.append(f"{head} | | FAILED: {r['error'][:80]} | | {r['protocol']} |")
+            lines.append(f"{head} | | FAILED: {r['error'][:80]} | | | {r['protocol']} |")
             continue
         lines.append(
             f"{head} {r['measured_total'] / gib:.3f} | {r['estimated_total'] / gib:.3f} | "
-            f"{100 * r['error_total']:+.2f}% | {r['margin'] / gib:.2f} | {r['protocol']} |"
+            f"{100 * r['error_total']:+.2f}% | {r['margin'] / gib:.2f} | "
+            f"{r['required'] / gib:.3f} | {r['protocol']} |"
         )
     lines.append("")
     for set_name in dict.fromkeys(r["set"] for r in table):
@@ -178,12 +182,14 @@ def render(table: list[dict[str, Any]]) -> str:
             worst = max(ok, key=lambda r: abs(r["error_total"]))
             within = sum(r["within_tolerance"] for r in ok)
             covered = sum(r["covered"] for r in ok)
+            counted = sum(r["counted"] for r in ok)
             lines.append(
                 f"{set_name} ({protocol}): {len(ok)} runs, {within} within "
                 f"±{100 * TOLERANCE:.0f}%, worst {100 * worst['error_total']:+.2f}% "
                 f"({worst['arch']} L{worst['layers']} b{worst['batch']} s{worst['seq_len']} "
                 f"gc={int(worst['grad_checkpointing'])} {worst['loop']}); {covered} within the "
-                f"estimate plus its margin; {failed} failed"
+                f"estimate plus its margin; {counted} within what the verdict counts; "
+                f"{failed} failed"
             )
     return "\n".join(lines)
 
@@ -212,13 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         "--measured",
         action="append",
         default=None,
-        help="a results JSONL (repeatable); default: tests/fixtures/memory/results.jsonl",
+        help="a results JSONL (repeatable); default: tests/fixtures/memory/results.jsonl and "
+        "issue39.jsonl",
     )
     ap.add_argument(
         "--write", metavar="DIR", default=None, help="write comparison.{json,csv,md} there"
     )
     args = ap.parse_args(argv)
-    paths = [Path(p) for p in args.measured] if args.measured else [MEASURED / "results.jsonl"]
+    paths = (
+        [Path(p) for p in args.measured]
+        if args.measured
+        else [MEASURED / "results.jsonl", MEASURED / "issue39.jsonl"]
+    )
     table: list[dict[str, Any]] = []
     for path in paths:
         table += rows(path)

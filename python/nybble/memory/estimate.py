@@ -23,12 +23,14 @@ GpuLike = int | float | str | GpuSpec
 
 @dataclass(frozen=True)
 class Suggestion:
-    """One change to the setup and the total it gives (`MemoryEstimate.suggestions`)."""
+    """One change to the setup and what it gives (`MemoryEstimate.suggestions`): its
+    `total_bytes`, and `required_bytes`, the figure the verdict compares with the GPU."""
 
     setting: str
     value: Any
     total_bytes: int
     description: str
+    required_bytes: int = 0
 
 
 @dataclass
@@ -42,9 +44,16 @@ class MemoryEstimate:
     named parts (docs/estimator.md) that add up to it exactly: the tensors alive at the step's
     allocated peak (`peak_phase`), the allocator's free blocks at that moment, the outside part.
     `allocated_peak_bytes` leaves out the allocator's cached blocks, `reserved_peak_bytes` the
-    outside part. `margin_bytes` covers what the validation run's processes held beyond their
-    estimates (1% of the reserved peak, at least 20 MiB; docs/estimator.md): plan with
-    `total_bytes`, and with `total_bytes + margin_bytes` where even that shortfall matters.
+    outside part.
+
+    The verdicts (`fits`, `headroom`, the searches and suggestions) compare `required_bytes`:
+    `total_bytes` plus what the replay cannot rule out for a loop other than the modelled one
+    (docs/estimator.md): `unruled_block_bytes`, one more block the size of the step's largest
+    tensor that the caching allocator may reserve from step 2 on (0 where the replay reserves
+    it already), and the outside part at the most it was measured (`context_high_bytes`;
+    the given figure when `context` is given). `margin_bytes` covers what the validation
+    run's processes held beyond their estimates (1% of the reserved peak, at least 20 MiB):
+    `required_bytes + margin_bytes` where even that shortfall matters.
     """
 
     setup: TrainingSetup
@@ -64,6 +73,15 @@ class MemoryEstimate:
     gpu: GpuSpec | None = None
     #: the caller's outside-allocator figure, kept for the estimates the searches make
     context_override: int | None = None
+    unruled_block_bytes: int = 0
+    context_high_bytes: int = 0
+
+    @property
+    def required_bytes(self) -> int:
+        """The figure the verdicts compare with a GPU: the replayed reserved peak, the block
+        the replay cannot rule out, and the outside part at the most it was measured."""
+        outside = max(self.context_bytes, self.context_high_bytes)
+        return self.reserved_peak_bytes + self.unruled_block_bytes + outside
 
     # --- the questions --------------------------------------------------------------
 
@@ -83,16 +101,17 @@ class MemoryEstimate:
         return gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu)
 
     def fits(self, gpu: GpuLike | None = None) -> bool:
-        """True when `total_bytes` is at most the GPU's memory (`24GB`, bytes, `rtx4090`)."""
-        return self.total_bytes <= self.gpu_bytes(gpu)
+        """True when `required_bytes` is at most the GPU's memory (`24GB`, bytes, `rtx4090`)."""
+        return self.required_bytes <= self.gpu_bytes(gpu)
 
     def fits_with_margin(self, gpu: GpuLike | None = None) -> bool:
-        """True when even `total_bytes + margin_bytes` fits."""
-        return self.total_bytes + self.margin_bytes <= self.gpu_bytes(gpu)
+        """True when even `required_bytes + margin_bytes` fits."""
+        return self.required_bytes + self.margin_bytes <= self.gpu_bytes(gpu)
 
     def headroom(self, gpu: GpuLike | None = None) -> int:
-        """GPU bytes left over at the peak (negative when it does not fit)."""
-        return self.gpu_bytes(gpu) - self.total_bytes
+        """GPU bytes left over at the peak, `required_bytes` counted (negative when it does
+        not fit)."""
+        return self.gpu_bytes(gpu) - self.required_bytes
 
     def max_batch(self, gpu: GpuLike | None = None) -> int:
         """Largest batch size (at this seq_len) that fits; 0 when batch 1 does not."""
@@ -115,17 +134,20 @@ class MemoryEstimate:
         LoRA rank); if none does, all of the first three with the longest sequence that fits.
         Empty when it fits already, or when nothing makes it fit."""
         limit = self.gpu_bytes(gpu)
-        if self.total_bytes <= limit:
+        if self.required_bytes <= limit:
             return []
         s, out = self.setup, []
+
+        def suggest(setting: str, value: Any, est: MemoryEstimate, description: str) -> None:
+            out.append(Suggestion(setting, value, est.total_bytes, description, est.required_bytes))
 
         def attempt(setting: str, value: Any, description: str, **changes: Any) -> None:
             try:
                 est = self._at(**changes)
             except ReplayLimitError:  # beyond what the framework replays: not suggested
                 return
-            if est.total_bytes <= limit:
-                out.append(Suggestion(setting, value, est.total_bytes, description))
+            if est.required_bytes <= limit:
+                suggest(setting, value, est, description)
 
         if not s.grad_checkpointing:
             attempt(
@@ -137,30 +159,27 @@ class MemoryEstimate:
         if s.quantized and not s.double_quant:
             attempt("double_quant", True, "use double quantization", double_quant=True)
         if s.batch > 1:
-            b = self.max_batch(limit)
+            # the largest batch that fits and divides the batch: gradient accumulation over
+            # batch / b steps keeps the effective batch (docs/estimator.md)
+            top = self.max_batch(limit)
+            b = max((d for d in range(1, min(top, s.batch) + 1) if s.batch % d == 0), default=0)
             if b >= 1:
-                out.append(
-                    Suggestion(
-                        "batch",
-                        b,
-                        self._at(batch=b).total_bytes,
-                        f"batch {b}, accumulating gradients over {-(-s.batch // b)} steps "
-                        f"(effective batch {b * -(-s.batch // b)})",
-                    )
+                suggest(
+                    "batch",
+                    b,
+                    self._at(batch=b),
+                    f"batch {b} with gradient accumulation over {s.batch // b} steps (the "
+                    f"effective batch stays {s.batch})",
                 )
         step = seq_len_step(s.seq_len)
         n = self.max_seq_len(limit, multiple_of=step)
         if n >= 1:
-            out.append(
-                Suggestion(
-                    "seq_len", n, self._at(seq_len=n).total_bytes, f"sequences of {n} tokens"
-                )
-            )
+            suggest("seq_len", n, self._at(seq_len=n), f"sequences of {n} tokens")
         r = s.lora_r // 2
         while r >= 1:
             est = self._at(lora_r=r)
-            if est.total_bytes <= limit:
-                out.append(Suggestion("lora_r", r, est.total_bytes, f"LoRA rank {r}"))
+            if est.required_bytes <= limit:
+                suggest("lora_r", r, est, f"LoRA rank {r}")
                 break
             r //= 2
         if out:
@@ -174,18 +193,20 @@ class MemoryEstimate:
             return []
         n = base.max_seq_len(limit, multiple_of=step)
         if n >= 1:
-            total = base._at(seq_len=n).total_bytes
             what = (
                 "gradient checkpointing, double quantization, batch 1"
                 if s.quantized
                 else ("gradient checkpointing, batch 1")
             )
-            return [
-                Suggestion(
-                    "combined", dict(cheap, seq_len=n), total, f"{what} and sequences of {n} tokens"
-                )
-            ]
-        return []
+            if s.batch > 1:
+                what += f" with gradient accumulation over {s.batch} steps"
+            suggest(
+                "combined",
+                dict(cheap, seq_len=n),
+                base._at(seq_len=n),
+                f"{what} and sequences of {n} tokens",
+            )
+        return out
 
     def sweep_seq_len(self, seq_lens: Sequence[int]) -> list[MemoryEstimate]:
         """The same setup at other sequence lengths (for plots)."""
@@ -215,7 +236,7 @@ class MemoryEstimate:
                 return limit + 1  # counted as not fitting: the answer is a lower bound
 
         def total(n: int) -> int:
-            return self._at(**changes(n)).total_bytes
+            return self._at(**changes(n)).required_bytes
 
         top = _largest(lambda n: lower(n) <= limit, hi)
         found = _largest_within(total, limit, top)
@@ -268,6 +289,9 @@ class MemoryEstimate:
             context_bytes=self.context_bytes,
             context_source=self.context_source,
             margin_bytes=self.margin_bytes,
+            required_bytes=self.required_bytes,
+            unruled_block_bytes=self.unruled_block_bytes,
+            context_high_bytes=self.context_high_bytes,
             breakdown=dict(self.breakdown),
             peak_phase=self.peak_phase,
             phases=dict(self.phases),
@@ -364,6 +388,17 @@ def _estimate(
         source = fp.context_source or outside_allocator(gpu.generation if gpu else None).source
     else:
         context_bytes, source = context, "given"
+    notes = list(fp.notes)
+    high = fp.context_high if context is None else 0
+    extra = [
+        f"one more block the size of the step's largest tensor ({fp.unruled_block / GiB:.2f} "
+        "GiB), which torch's caching allocator reserves from step 2 on in some training loops: "
+        "the replayed one does not, but that does not rule it out for yours (docs/estimator.md)"
+    ] * bool(fp.unruled_block)
+    if high > context_bytes:
+        extra.append(f"the memory outside the allocator at the most measured, {high >> 20} MiB")
+    if extra:
+        notes.append("the verdicts count, beyond the total: " + "; and ".join(extra))
     breakdown = {k: peak.parts.get(k, 0) for k in TENSOR_PARTS}
     breakdown[ALLOCATOR_CACHE] = fp.allocator_cache
     breakdown[OUTSIDE_ALLOCATOR] = context_bytes
@@ -378,13 +413,15 @@ def _estimate(
         breakdown=breakdown,
         peak_phase=peak.name,
         phases={p.name: p.total for p in fp.phases},
-        notes=list(fp.notes),
+        notes=notes,
         details=dict(fp.details),
         margin_bytes=fp.margin,
         context_source=source,
         step_reserved_bytes=list(fp.step_reserved),
         gpu=gpu,
         context_override=context,
+        unruled_block_bytes=fp.unruled_block,
+        context_high_bytes=high,
     )
 
 
