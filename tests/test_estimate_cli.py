@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -164,7 +165,7 @@ def test_when_nothing_fits_the_smallest_change_is_named(capsys: pytest.CaptureFi
     assert gpu["fits"] is False
     settings = [x["setting"] for x in gpu["suggestions"]]
     assert settings[0] == "grad_checkpointing"
-    assert all(x["total_bytes"] <= gpu["bytes"] for x in gpu["suggestions"])
+    assert all(x["required_bytes"] <= gpu["bytes"] for x in gpu["suggestions"])
     assert main([*args, "--gpu", "rtx4060"]) == 0
     assert "smallest change that fits: turn gradient checkpointing on" in capsys.readouterr().out
 
@@ -257,3 +258,138 @@ def test_the_installed_entry_point() -> None:
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
     usage = subprocess.run([exe, "estimate"], capture_output=True, text=True, timeout=120)
     assert usage.returncode == 2
+
+
+# --- first contact (issue 39) ---------------------------------------------------------------
+
+
+def _help(capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    return capsys.readouterr().out
+
+
+def test_a_bare_gpu_size_is_gib_as_on_the_label(capsys: pytest.CaptureFixture[str]) -> None:
+    for text, want in (("24", 24 * 2**30), ("0.5", 2**29), (" 80 ", 80 * 2**30)):
+        assert main(["estimate", "tiny", "-s", "64", "--json", "--gpu", text]) == 0
+        gpu = json.loads(capsys.readouterr().out)["gpu"]
+        assert gpu["bytes"] == want and gpu["fits"] is (want > 2**30)
+    help_text = " ".join(_help(capsys).split())
+    assert "in GiB (24, 24GB or 24GiB" in help_text and "24 = 24GiB" in help_text
+
+
+def test_a_bare_context_needs_its_unit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "--context", "751"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "751MiB" in err and "unit" in err
+
+
+def test_help_has_no_doubled_or_empty_defaults_and_states_units(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = " ".join(_help(capsys).split())
+    for wrong in ("(default: None)", "(default: True)", "(default: False)"):
+        assert wrong not in text, wrong
+    assert not re.search(r"default[^()]*\) \(default:", text)  # a default said twice
+    options = text.split(" options: ", 1)[1].split(" sizes: ", 1)[0]
+    for needle in (
+        "its memory in GiB",  # --gpu
+        "4 or 8 bits a weight",  # --quant
+        "weights per quantization scale",  # --blocksize
+        "it is on by default",  # --no-grad-checkpointing
+        "by default they are quantized to 8 bits",  # --no-double-quant
+        "sequences per training step",  # --batch
+        "tokens per sequence (default: 2048)",  # --seq-len
+        "4 bytes a value",  # --lora-dtype
+        "a probability from 0",  # --lora-dropout
+        "with its unit (751MiB, 0.75GiB)",  # --context
+        "memory (GiB) against sequence length (tokens)",  # --plot
+    ):
+        assert needle in options, needle
+
+
+def test_a_gpu_given_as_a_size_is_named_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "tiny", "-s", "64", "--gpu", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "a GPU of 24.00 GiB: fits" in out and "24.00 GiB, 24.00 GiB" not in out
+    assert main(["estimate", "tiny", "-s", "64", "--gpu", "rtx4090"]) == 0
+    assert "rtx4090 (RTX 4090 24GB, 23.99 GiB): fits" in capsys.readouterr().out
+
+
+def test_a_model_type_it_does_not_model_is_named_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nybble.memory import MODEL_PRESETS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(MODEL_PRESETS["tiny"], model_type="gemma2")))
+    assert main(["estimate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "model_type: 'gemma2' is not one" in err and "model_type: model_type" not in err
+
+
+def test_the_verdict_says_when_only_the_replayed_total_would_fit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 39's run needed 3.65 GiB: a GPU of 3.6 GiB gets no "fits"."""
+    args = ["estimate", "llama-3.2-1b", "-s", "512", "--gpu", "3.6"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "a GPU of 3.60 GiB: does NOT fit" in out
+    assert "the table's total (3.40 GiB) alone would fit" in out
+    assert "note: the verdicts count, beyond the total: one more block" in out
+
+
+def test_a_smaller_batch_keeps_the_effective_batch() -> None:
+    """docs/estimator.md: the suggestion that lowers the batch accumulates gradients over the
+    steps that keep the effective batch (6 = 3 x 2, never "batch 4 ... effective batch 8")."""
+    from nybble.memory import estimate_memory
+
+    for batch in (6, 5, 8):
+        est = estimate_memory("qwen3-0.6b", batch=batch, seq_len=2048)
+        gpu = (est.required_bytes + est._at(batch=1).required_bytes) // 2
+        found = [x for x in est.suggestions(gpu) if x.setting == "batch"]
+        assert found, batch
+        b = found[0].value
+        assert batch % b == 0 and b < batch and found[0].required_bytes <= gpu
+        assert (
+            f"over {batch // b} steps (the effective batch stays {batch})" in found[0].description
+        )
+        assert est.max_batch(gpu) >= b
+
+
+def test_a_mixture_of_experts_that_cannot_fit_says_why_and_what_to_change(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["estimate", "mixtral-8x7b", "-s", "512", "--gpu", "h100"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does NOT fit" in out
+    assert "the fused experts are not quantized" in out and "bitsandbytes does not quantize" in out
+    assert "the unquantized fused experts alone take" in out
+    assert "Left in bfloat16" in out  # what to change
+
+
+def test_the_package_namespace_shows_the_public_api() -> None:
+    import nybble
+
+    shown = dir(nybble)
+    for helper in ("Any", "TYPE_CHECKING", "importlib", "annotations", "_core", "tensor"):
+        assert helper not in shown, helper
+    assert set(nybble.__all__) <= set(shown) and "__version__" in shown
+    assert nybble.__all__ == [
+        "AdamW",
+        "FormatError",
+        "LoraAdapter",
+        "LoraConfig",
+        "LoraLinear",
+        "NF4Tensor",
+        "NonFiniteError",
+        "QLoraLinear",
+        "bnb",
+        "dequantize",
+        "estimate_memory",
+        "quantize",
+        "reference",
+    ]
+    for name in shown:  # every name shown is there, the lazy ones loaded on first use
+        assert getattr(nybble, name) is not None

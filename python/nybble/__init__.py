@@ -38,8 +38,18 @@ __all__ = [
 ]
 
 
+#: The public modules: imported on first use (`nybble.train`, `nybble.reference`, ...).
+_MODULES = ("bnb", "checkpoint", "cuda", "errors", "lora", "memory", "reference", "train")
+
+
 def __getattr__(name: str) -> Any:
-    # The oracle is for tests and readers: the package itself never imports it.
-    if name == "reference":
-        return importlib.import_module(".reference", __name__)
+    # The oracle is for tests and readers: the package itself never imports it; the other
+    # modules too load when first named.
+    if name in _MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'nybble' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public API, its modules and the version; not the helpers the package imports."""
+    return sorted({*__all__, *_MODULES, "__version__"})

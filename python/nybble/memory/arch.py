@@ -308,7 +308,7 @@ class Architecture:
         if model_type not in MODEL_TYPES:
             raise FormatError(
                 source,
-                f"model_type {model_type!r} is not one the estimator models (it models "
+                f"{model_type!r} is not one the estimator models (it models "
                 f"{', '.join(MODEL_TYPES)}); its memory would be guessed, so it is refused",
                 "model_type",
             )
