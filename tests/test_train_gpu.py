@@ -73,6 +73,69 @@ def test_fused_softmax_equals_the_cupy_math(dtype: str, window: int | None, t0: 
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("window", [None, 3])
+def test_fused_softmax_keeps_packed_samples_apart(dtype: str, window: int | None) -> None:
+    """With sample starts the fused kernels equal the cupy math, and no row sees a key of an
+    earlier sample."""
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    batch, group, positions, t0 = 4, 2, 12, 4
+    rows, keys = 6 * group, t0 + 6
+    rng = np.random.default_rng(5)
+    s = rng.standard_normal((batch, rows, keys)) * 3
+    dp = rng.standard_normal((batch, rows, keys))
+    delta = rng.standard_normal((batch, positions * group)).astype(np.float32)
+    starts = np.zeros((batch, positions), np.int32)
+    starts[:, 3:7] = 3
+    starts[:, 7:] = 7
+    starts[1] = 0  # one batch of a single sample
+    fused, plain = _cuda.FusedSoftmax(), F.SoftmaxKernels(cp)
+    results = []
+    for kernels in (fused, plain):
+        sd = cp.asarray(s.astype(np_dtype))
+        lse = cp.zeros((batch, positions * group), cp.float32)
+        kernels.forward(sd, lse, t0, group, window, 0.3, cp.asarray(starts))
+        p = sd.copy()
+        sb, dpb = cp.asarray(s.astype(np_dtype)), cp.asarray(dp.astype(np_dtype))
+        kernels.backward(
+            sb, dpb, lse, cp.asarray(delta), t0, group, window, 0.3, cp.asarray(starts)
+        )
+        results.append((p, lse, sb, dpb))
+    for got, want in zip(results[0], results[1], strict=True):
+        close(got, want, tol)
+    p = host(results[0][0])
+    pos = t0 + np.arange(rows) // group
+    first = starts[:, pos]  # [batch, rows]
+    assert np.all(p[np.arange(keys)[None, None, :] < first[:, :, None]] == 0)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_fused_heads_take_a_position_per_token(dtype: str) -> None:
+    from nybble.train import _cuda
+
+    cp = cupy()
+    np_dtype, tol = DTYPES[dtype]
+    b, t, heads, d = 2, 9, 4, 32
+    cfg = dataclasses.replace(TransformerConfig.tiny(), head_dim=d)
+    cos_t, sin_t = F.rope_tables(cfg, t)
+    positions = np.array([[0, 1, 2, 0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    cos, sin = (cp.asarray(a[positions].astype(np_dtype)) for a in (cos_t, sin_t))
+    rng = np.random.default_rng(4)
+    x = cp.asarray((rng.standard_normal((b, t, heads, d)) * 2).astype(np_dtype))
+    dy = cp.asarray(rng.standard_normal((b, t, heads, d)).astype(np_dtype))
+    w = cp.asarray(rng.standard_normal(d).astype(np.float32))
+    fused, plain = _cuda.FusedHeads(), F.HeadKernels(cp)
+    out, _ = fused.forward(x, w, 1e-6, cos, sin, 2)
+    out0, rstd0 = plain.forward(x, w, 1e-6, cos, sin, 2)
+    close(out, out0, tol)
+    dx, _ = fused.backward(dy, x, rstd0, w, cos, sin, False)
+    dx0, _ = plain.backward(dy, x, rstd0, w, cos, sin, False)
+    close(dx, dx0, tol)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_fused_gate_equals_the_cupy_math(dtype: str) -> None:
     from nybble.train import _cuda
 
@@ -241,3 +304,60 @@ def test_gpu_non_finite_weights_are_refused() -> None:
     with pytest.raises(NonFiniteError):
         train(t, 1)
     assert t.step == 0
+
+
+def test_gpu_packed_rows_and_cache_decoding_follow_the_cpu(tmp_path: Path) -> None:
+    """A packed batch's loss and a trained step, and a greedy generation from a pretrained
+    checkpoint, on the GPU (float32) as on the CPU; bfloat16 close."""
+    from pretrained_fixtures import write_model
+
+    write_model(tmp_path / "m")
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 200, (2, 24))
+    starts = np.zeros((2, 24), np.int64)
+    starts[:, 10:] = 10
+    starts[1, 17:] = 17
+    losses = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
+        t = Trainer.from_pretrained(
+            tmp_path / "m", lora, quant="nf4", device=device, compute_dtype=dtype, lr=1e-2
+        )
+        first = t.train_batch(ids[:, :-1], ids[:, 1:], starts[:, :-1])
+        after = t.loss(ids[:, :-1], ids[:, 1:], starts[:, :-1])
+        frozen = Trainer.from_pretrained(
+            tmp_path / "m", None, quant="nf4", device=device, frozen=True, compute_dtype=dtype
+        )
+        gen = frozen.generate(ids[0, :6].tolist(), max_new_tokens=12).ids
+        losses[(device, dtype)] = (first, after, gen)
+    cpu, gpu, bf16 = (
+        losses[("cpu", "float32")],
+        losses[("cuda", "float32")],
+        losses[("cuda", "bfloat16")],
+    )
+    assert gpu[0] == pytest.approx(cpu[0], rel=1e-5) and gpu[1] == pytest.approx(cpu[1], rel=1e-4)
+    assert gpu[2] == cpu[2]
+    assert bf16[0] == pytest.approx(cpu[0], rel=2e-2) and bf16[1] == pytest.approx(cpu[1], rel=2e-2)
+
+
+def test_gpu_generation_replays_a_graph_with_the_eager_tokens(tmp_path: Path) -> None:
+    """The decode step captured in a CUDA graph gives the tokens of the eager step, with and
+    without an adapter, greedy and sampled."""
+    from pretrained_fixtures import write_model
+
+    from nybble.train.generate import generate
+
+    write_model(tmp_path / "m")
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    frozen = Trainer.from_pretrained(tmp_path / "m", None, quant="nf4", device="cuda", frozen=True)
+    tuned = Trainer.from_pretrained(tmp_path / "m", lora, quant="nf4", device="cuda", lr=1e-2)
+    ids = np.random.default_rng(1).integers(0, 200, (1, 17))
+    for _ in range(3):
+        tuned.train_batch(ids[:, :-1], ids[:, 1:])
+    prompt = ids[0, :9].tolist()
+    for t in (frozen, tuned):
+        for temperature in (0.0, 0.9):
+            eager = generate(t.model, prompt, 20, temperature, 0.95, seed=4, graph=False)
+            replayed = generate(t.model, prompt, 20, temperature, 0.95, seed=4)
+            assert replayed.graph, replayed.graph_error
+            assert replayed.ids == eager.ids

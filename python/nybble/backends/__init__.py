@@ -72,6 +72,11 @@ class Backend(Protocol):
         """Bytes of device memory the process's arrays hold (None on the CPU)."""
         ...
 
+    def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
+        """`work` (GPU work over fixed buffers) captured into a CUDA graph whose `replay()`
+        runs it again (nybble.cuda.capture), or None where the device has no graphs."""
+        ...
+
     def first_non_finite(self, a: Any) -> int | None:
         """The first flat index of a NaN or ±inf in `a`, or None. On the GPU this waits for
         the device."""

@@ -3,6 +3,7 @@ SIMD codec, GEMM, tiled products with a quantized weight), with the GIL released
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -92,6 +93,10 @@ class CpuBackend:
 
     def memory_in_use(self) -> int | None:
         """None: host memory is not the backend's to count."""
+        return None
+
+    def capture(self, work: Callable[[], object], *buffers: Any) -> None:
+        """None: the CPU replays nothing (callers run `work` each time)."""
         return None
 
     def first_non_finite(self, a: Any) -> int | None:

@@ -437,6 +437,33 @@ def attention_with_cache(
     return out.reshape(b, kv, n, group, d).transpose(0, 2, 1, 3, 4)
 
 
+def attention_at(
+    xp: Any, q: Array, k: Array, v: Array, position: Array, scale: float, window: int | None
+) -> Array:
+    """attention_with_cache for one new position held on the device (`position`, int32 [1]),
+    over the whole cache (k, v [B, kv_heads, capacity, D]; keys after the position masked),
+    so that every shape is fixed: a decode step that can be captured in a CUDA graph and
+    replayed for each next position. q [B, kv_heads, 1, group, D]; the same math and result
+    as attention_with_cache."""
+    b, kv, n, group, d = q.shape
+    capacity = int(k.shape[2])
+    nb = b * kv
+    bmm = backends.of(q).batched_matmul
+    acc = accumulate_dtype(q.dtype)
+    qb = q.reshape(nb, n * group, d)
+    sf = bmm(qb, k.reshape(nb, capacity, d).transpose(0, 2, 1)).astype(acc) * scale
+    key = xp.arange(capacity, dtype=np.int32)[None, :]
+    invalid = key > position[:, None]
+    if window is not None:
+        invalid |= key <= position[:, None] - window
+    sf += xp.where(invalid, -np.inf, 0.0).astype(acc)
+    sf -= sf.max(axis=-1, keepdims=True)
+    xp.exp(sf, out=sf)
+    sf /= sf.sum(axis=-1, keepdims=True)
+    out = bmm(sf.astype(q.dtype), v.reshape(nb, capacity, d))
+    return out.reshape(b, kv, n, group, d).transpose(0, 2, 1, 3, 4)
+
+
 # --- SwiGLU ---------------------------------------------------------------------------------
 
 
@@ -552,6 +579,7 @@ __all__ = [
     "NormKernels",
     "SoftmaxKernels",
     "accumulate_dtype",
+    "attention_at",
     "attention_backward",
     "attention_chunks",
     "attention_forward",

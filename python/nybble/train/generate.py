@@ -1,12 +1,17 @@
 """Text generation with a key/value cache: the prompt in one forward pass, then a token at a
 time (greedy, or sampled with a temperature and top-p), stopping at an end-of-sequence token
-or after `max_new_tokens` (docs/training.md, "Trying the result")."""
+or after `max_new_tokens` (docs/training.md, "Trying the result").
+
+On the GPU the one-token step is captured once in a CUDA graph (its shapes fixed: attention
+over the whole cache, the position held on the device) and replayed for every next token:
+one launch and one small read-back per token instead of the Python of every operation."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +29,9 @@ class Generation:
     #: seconds for the prompt's forward pass (time to the first new token) and the rest
     prefill_seconds: float
     decode_seconds: float
+    #: whether the decode steps replayed a captured CUDA graph, and why not if one failed
+    graph: bool = False
+    graph_error: str | None = None
     #: the new tokens as text (where a tokenizer made the prompt)
     text: str | None = None
 
@@ -74,9 +82,11 @@ def generate(
     seed: int = 0,
     stop_ids: Sequence[int] = (),
     on_token: Callable[[int], None] | None = None,
+    graph: bool = True,
 ) -> Generation:
     """Continues `prompt` (token ids): see the module docstring. `on_token` is called with
-    each new token as it is made (a stop token excepted)."""
+    each new token as it is made (a stop token excepted); `graph=False` runs every step
+    eagerly (the GPU's graph replays the same operations)."""
     check_sampling(max_new_tokens, temperature, top_p)
     ids = [int(i) for i in prompt]
     vocab = model.config.vocab_size
@@ -100,6 +110,7 @@ def generate(
         stopped = "length"
         position = len(ids)
         started = time.perf_counter()
+        step = _Step(model, cache, temperature == 0, graph)
         while True:
             if token in stops:
                 stopped = "stop"
@@ -109,15 +120,59 @@ def generate(
                 on_token(token)
             if len(out) == max_new_tokens:
                 break
-            step = backend.from_host(np.asarray([[token]], np.int64))
-            logits = model.next_logits(step, cache, position)
+            logits = step(token, position)
             position += 1
-            token = pick(np.asarray(backend.to_host(logits))[0], temperature, top_p, rng)
+            token = logits if isinstance(logits, int) else pick(logits, temperature, top_p, rng)
         decode = time.perf_counter() - started
     finally:
         model.cast_adapters(False)
         model.train(was_training)
-    return Generation(out, stopped, len(ids), prefill, decode)
+    return Generation(
+        out, stopped, len(ids), prefill, decode, step.graph is not None, step.graph_error
+    )
+
+
+class _Step:
+    """One decode step: token and position in, the next token (greedy: argmax on the
+    device) or the host's float32 logits out. On a device with graphs, captured at its first
+    call and replayed after."""
+
+    def __init__(self, model: DecoderLM, cache: list[Any], greedy: bool, graph: bool) -> None:
+        self.model = model
+        self.cache = cache
+        self.greedy = greedy
+        self.use_graph = graph
+        self.graph: Any = None
+        xp = model.xp
+        self.token = xp.zeros((1, 1), np.int64)
+        self.position = xp.zeros(1, np.int32)
+        self.result: Any = None
+        self.graph_error: str | None = None
+
+    def _work(self) -> None:
+        logits = self.model.logits_at(self.token, self.cache, self.position)
+        self.result = self.model.xp.argmax(logits[0]) if self.greedy else logits
+
+    def __call__(self, token: int, position: int) -> int | np.ndarray:
+        self.token.fill(token)
+        self.position.fill(position)
+        backend = self.model.backend
+        if self.graph is None and self.use_graph:
+            self.use_graph = False
+            try:
+                self.graph = backend.capture(self._work, self.token, self.position)
+            except Exception as e:  # the step runs eagerly, the same operations
+                self.graph_error = f"{type(e).__name__}: {e}"
+            if self.graph is None:  # no graphs on this device, or the capture failed
+                self._work()
+            else:  # the capture only recorded the step (its warm-up ran it once, eagerly)
+                self.graph.replay()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            self._work()
+        host = np.asarray(backend.to_host(self.result))
+        return int(host) if self.greedy else host[0]
 
 
 __all__ = ["Generation", "check_sampling", "generate", "pick"]

@@ -267,11 +267,39 @@ class DecoderLayer:
             m.scale,
             cfg.sliding_window,
         )
-        h = x2 + self.project("o_proj", attn.reshape(n, heads * d))
+        return self._decode_rest(x2, attn, (b, t, hidden))
+
+    def decode_at(self, x: Array, cache: LayerCache, position: Array, rope: Positions) -> Array:
+        """`decode` of one new token x [B, 1, hidden] at a position held on the device (int32
+        [1]; `rope` its rotary rows): every shape fixed, nothing read back, so the step can be
+        captured in a CUDA graph and replayed for the next position."""
+        m = self.model
+        cfg, xp = m.config, m.xp
+        b, _, hidden = x.shape
+        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        x2 = x.reshape(b, hidden)
+        n1, _ = m.norm.forward(x2, self._w("input_layernorm"), cfg.rms_norm_eps)
+        q = self.project("q_proj", n1).reshape(b, 1, heads, d)
+        k = self.project("k_proj", n1).reshape(b, 1, kv, d)
+        v = self.project("v_proj", n1).reshape(b, 1, kv, d)
+        q_norm, k_norm = self._head_norms()
+        qt, _ = m.heads.forward(q, q_norm, cfg.rms_norm_eps, rope.cos, rope.sin, cfg.group_size)
+        kt, _ = m.heads.forward(k, k_norm, cfg.rms_norm_eps, rope.cos, rope.sin, 1)
+        cache.k[:, :, position] = kt.reshape(b, kv, 1, d)
+        cache.v[:, :, position] = v.transpose(0, 2, 1, 3)
+        attn = F.attention_at(xp, qt, cache.k, cache.v, position, m.scale, cfg.sliding_window)
+        return self._decode_rest(x2, attn, (b, 1, hidden))
+
+    def _decode_rest(self, x2: Array, attn: Array, shape: tuple[int, ...]) -> Array:
+        """The layer after attention (o_proj, residual, MLP) of a decode step, out in `shape`."""
+        cfg = self.model.config
+        h = x2 + self.project(
+            "o_proj", attn.reshape(x2.shape[0], cfg.num_attention_heads * cfg.head_dim)
+        )
         y, _, _, _ = self.mlp(h)
         for proj in self.proj.values():
             proj.release()
-        return y.reshape(b, t, hidden)
+        return y.reshape(shape)
 
 
 @dataclass
@@ -701,6 +729,19 @@ class DecoderLM:
         h, _ = self.norm.forward(
             self.xp.ascontiguousarray(last), self.weights["model.norm.weight"], cfg.rms_norm_eps
         )
+        return self._mm(h, self.head_weight().T).astype(np.float32)
+
+    def logits_at(self, token: Array, cache: list[LayerCache], position: Array) -> Array:
+        """`next_logits` of one token per row (token [B, 1] and its position, int32 [1], both
+        on the device) with every shape fixed and nothing read back: the step a CUDA graph
+        captures (generate.py) and replays for each next token."""
+        cfg = self.config
+        cos, sin = self.rope(int(cache[0].k.shape[2]))
+        rope = Positions(cos[position], sin[position])
+        x = self._embed(token)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer.decode_at(x, layer_cache, position, rope)
+        h, _ = self.norm.forward(x[:, 0, :], self.weights["model.norm.weight"], cfg.rms_norm_eps)
         return self._mm(h, self.head_weight().T).astype(np.float32)
 
     def _dropout_states(self, layer: DecoderLayer) -> dict[str, Any]:

@@ -6,6 +6,7 @@ neither CuPy nor a GPU, asking for the backend needs CuPy."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -69,6 +70,11 @@ class CudaBackend:
     def memory_in_use(self) -> int | None:
         """Bytes CuPy's memory pool holds on the current device (what a run keeps)."""
         return int(cp.get_default_memory_pool().total_bytes())
+
+    def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
+        from ...cuda import capture
+
+        return capture(work, *buffers)
 
     def first_non_finite(self, a: Any) -> int | None:
         flat = a.reshape(-1)
