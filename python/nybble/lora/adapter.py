@@ -236,7 +236,7 @@ class LoraAdapter:
         whole (see the module docstring)."""
         if not self.layers:
             raise ValueError("the adapter has no layers to save")
-        config_text = (json.dumps(self.peft_config(), indent=2) + "\n").encode("utf-8")
+        config_text = (json.dumps(self.peft_config(), indent=2, allow_nan=False) + "\n").encode()
         metadata = {
             "format": "pt",
             CONFIG_DIGEST_KEY: hashlib.sha256(config_text).hexdigest(),

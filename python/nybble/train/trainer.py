@@ -431,7 +431,7 @@ class Trainer:
         safetensors_io.save(self.state_dict(), target / "model.safetensors", {"format": "pt"})
         config = self.config.to_hf()
         config["torch_dtype"] = "float32"
-        text = (json.dumps(config, indent=2) + "\n").encode()
+        text = (json.dumps(config, indent=2, allow_nan=False) + "\n").encode()
         replace_file(write_temporary(target / "config.json", text), target / "config.json")
 
     def save_merged(
@@ -511,7 +511,7 @@ class Trainer:
         }
         target = Path(path)
         remove_stale_temporaries(target.parent, (target.name,))
-        metadata = {CHECKPOINT_KEY: json.dumps(record)}
+        metadata = {CHECKPOINT_KEY: json.dumps(record, allow_nan=False)}
         safetensors_io.save(tensors, target, metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
