@@ -503,7 +503,7 @@ def _constructor_valid(args: dict[str, Any]) -> tuple[bool, str]:
         return False, "nested offset"
     if not math.isfinite(offset):
         return False, "nested offset"
-    if not abs(offset) <= np.finfo(np.float32).max:
+    if not abs(offset) <= float(np.finfo(np.float32).max):
         return False, "nested offset beyond float32"
     return True, ""
 

@@ -9,9 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from nybble import LoraAdapter, safetensors_io
@@ -59,14 +61,17 @@ def test_the_loss_curve(tmp_path: Path) -> None:
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_missing_matplotlib_is_one_line(
+def test_without_matplotlib_everything_but_the_plot_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "2"]) == 1
+    out = tmp_path / "run"
+    args = ["--steps", "2", "--save-base", "--batch-size", "2", "--seq-len", "16"]
+    assert main(["train", "--out", str(out), *args]) == 0
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "nybble[plot]" in err
-    assert not (tmp_path / "run").exists()
+    assert err.count("loss.png skipped") == 1 and "nybble[plot]" in err
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "base" / "model.safetensors").exists() and not (out / "loss.png").exists()
 
 
 def test_full_fine_tuning_and_qlora(tmp_path: Path) -> None:
@@ -90,6 +95,10 @@ def test_full_fine_tuning_and_qlora(tmp_path: Path) -> None:
         ["--config", "/nonexistent/config.json"],
         ["--full", "--quant", "nf4"],
         ["--seq-len", "100000"],
+        ["--batch-size", "1000000000000"],
+        ["--lr", "1e308"],
+        ["--targets", "bogus_proj"],
+        ["--epochs", "0"],
     ],
 )
 def test_errors_exit_1_with_one_line(
@@ -160,3 +169,80 @@ def test_killed_and_resumed_runs_end_with_the_same_losses(tmp_path: Path) -> Non
         safetensors_io.load(straight / "adapter" / "adapter_model.safetensors").keys()
     )
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_model_larger_than_memory_is_refused_before_it_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.json"
+    fields = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "vocab_size": 256,
+              "num_hidden_layers": 1_000_000}  # fmt: skip
+    config.write_text(json.dumps(fields))
+    started = time.perf_counter()
+    assert main(["train", "--out", str(tmp_path / "run"), "--config", str(config)]) == 1
+    assert time.perf_counter() - started < 5
+    err = capsys.readouterr().err
+    assert "more than this machine's" in err and err.count("\n") == 1
+
+
+def test_a_large_model_on_the_cpu_is_announced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nybble.cli.train as cli
+
+    monkeypatch.setattr(cli, "_physical_memory", lambda: 2**50)
+    built: list[object] = []
+    monkeypatch.setattr(
+        cli, "Trainer", lambda *a, **k: built.append(a) or (_ for _ in ()).throw(KeyboardInterrupt)
+    )
+    config = tmp_path / "config.json"
+    fields = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "num_hidden_layers": 32}  # fmt: skip
+    config.write_text(json.dumps(fields))
+    assert main(["train", "--out", str(tmp_path / "run"), "--config", str(config)]) == 130
+    assert "8.03B parameters on the CPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"losses": 5},
+        {"losses": [None]},
+        {"losses": ["x"]},
+        "deep",
+    ],
+)
+def test_a_corrupt_checkpoint_is_one_clear_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record: object
+) -> None:
+    from nybble import safetensors_io
+    from nybble.train.trainer import CHECKPOINT_KEY
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--steps", "2", "--no-plot", *FAST]) == 0
+    path = out / "checkpoint.safetensors"
+    with safetensors_io.SafeTensorsFile(path) as f:
+        tensors = {k: np.array(f.get(k)) for k in f.keys()}
+        meta = json.loads(f.metadata[CHECKPOINT_KEY])
+    if record == "deep":
+        text = "[" * 100_000 + "]" * 100_000
+    else:
+        meta["extra"].update(record)  # type: ignore[arg-type]
+        text = json.dumps(meta)
+    safetensors_io.save(tensors, path, {CHECKPOINT_KEY: text})
+    capsys.readouterr()
+    code = main(["train", "--out", str(out), "--resume", "--steps", "4", "--no-plot", *FAST])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_the_help_shows_only_defaults_that_say_something(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "(default: None)" not in text and "(default: True)" not in text
+    assert "(default: False)" not in text and "(default: 2 x r) (default" not in text

@@ -148,6 +148,19 @@ def test_bad_input_is_one_line_and_writes_nothing(
     assert not out.exists()
 
 
+def test_a_model_without_tokenizer_cannot_read_text_data(
+    model: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((model / f).read_bytes())
+    assert _train(bare, data, tmp_path / "out", "--steps", "2") == 1
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_without_matplotlib_writes_the_rest(
     model: Path,
     data: Path,

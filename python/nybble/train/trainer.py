@@ -525,7 +525,7 @@ class Trainer:
                 raise FormatError(where, "not a nybble training checkpoint", CHECKPOINT_KEY)
             try:
                 record = json.loads(raw)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise FormatError(where, f"not valid JSON ({e})", CHECKPOINT_KEY) from None
             if not isinstance(record, dict) or record.get("version") != CHECKPOINT_VERSION:
                 raise FormatError(where, "unknown checkpoint version", "version")
