@@ -73,14 +73,15 @@ def test_chat_learns_the_assistant_turns_only(tmp_path: Path, tok: Tokenizer) ->
 @pytest.mark.parametrize(
     "line, problem",
     [
-        ("{not json", "not a JSON object"),
+        ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
         ('{"txt": "x"}', "needs `text`"),
         ('{"text": 5}', "expected a string"),
         ('{"prompt": "a"}', "expected a string"),
         ('{"messages": "hi"}', "role, content"),
         ('{"messages": [{"role": "user"}]}', "role, content"),
-        ('{"text": NaN}', "not a JSON object"),
+        ('{"text": NaN}', "not valid JSON"),
+        ('{"text": 1e999}', "beyond float64"),
     ],
 )
 def test_a_bad_line_is_named_by_file_and_line(

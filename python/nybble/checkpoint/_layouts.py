@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .. import bnb, formats
+from .. import _json, bnb, formats
 from ..errors import FormatError
 from ..formats import NESTED_BLOCKSIZE, Codebook, NestedAbsmax, OutputDtype, Packed
 from ..safetensors_io import Entry
@@ -197,16 +197,12 @@ def _state_json(blob: np.ndarray, fail: Callable[[str], FormatError]) -> dict[st
     if blob.dtype != np.uint8 or blob.ndim != 1 or blob.size > bnb.MAX_QUANT_STATE_BYTES:
         raise fail(f"expected a short uint8 JSON blob, got {blob.dtype} {list(blob.shape)}")
     try:
-        state = json.loads(blob.tobytes().decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise fail(f"not JSON ({e})") from None
+        state = _json.loads(blob.tobytes(), "state")
+    except FormatError as e:
+        raise fail(e.problem) from None
     if not isinstance(state, dict):
         raise fail("not a JSON object")
     return state
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _int_list(value: Any) -> tuple[int, ...] | Any:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .._json import read_file as read_json
 from ..errors import FormatError
-from ..lora.config import read_json
 from ..safetensors_io import SafeTensorsFile, TensorInfo
 
 CONFIG_FILE = "config.json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .. import _json
 from ..errors import FormatError
 
 Init = Literal["kaiming", "gaussian"]
@@ -20,7 +20,7 @@ PEFT_DEFAULT_ALPHA = 8
 #: PEFT's adapter config file.
 CONFIG_FILE = "adapter_config.json"
 #: An adapter config is a few kilobytes; reading stops well beyond.
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = _json.MAX_FILE_BYTES
 #: The largest float32: a scaling beyond it cannot multiply a float32 product.
 _F32_MAX = 3.4028234663852886e38
 
@@ -413,45 +413,8 @@ def _pattern(pairs: tuple[tuple[str, float], ...], name: str, default: float) ->
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file, read with limits: a regular file of at most MAX_CONFIG_BYTES, no NaN or
-    Infinity, bounded nesting. FormatError naming the file otherwise."""
-    try:
-        if not path.is_file():
-            problem = "not found" if not path.exists() else "not a regular file"
-            raise FormatError(path, problem)
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise FormatError(path, f"cannot be read ({e.strerror or e})") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise FormatError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not a config file")
-    try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(path, f"not valid JSON ({e})") from None
-    field = _non_finite_field(value)
-    if field is not None:  # json reads a number beyond float64 (1e999) as inf
-        raise FormatError(path, "a number beyond float64's range (read as inf)", field)
-    return value
-
-
-def _non_finite_field(value: Any) -> str | None:
-    """The path (`rope_scaling.factor`, `layers[2]`) of the first non-finite float in parsed
-    JSON, or None."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return path or "(the document)"
-        if isinstance(v, dict):
-            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items())]
-        elif isinstance(v, list):
-            stack += [(f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
-    return None
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
+    """A JSON file, read with limits (nybble._json): FormatError naming the file otherwise."""
+    return _json.read_file(path, MAX_CONFIG_BYTES)
 
 
 __all__ = ["CONFIG_FILE", "INITS", "InvalidField", "LoraConfig", "read_json"]

@@ -21,7 +21,6 @@ is its one-output gate.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import _json
 from ._errors import FormatError
 
 #: The linear layers of one decoder layer, in PEFT's module names.
@@ -65,7 +65,7 @@ MODEL_TYPES: dict[str, tuple[bool, bool, bool]] = {
 ACTIVATIONS = ("silu", "swish")
 
 #: Largest config file read (real ones are a few kilobytes).
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = _json.MAX_FILE_BYTES
 
 #: Ranges of the integer fields (beyond any real model, short of sizes nothing can hold).
 _INT_RANGES: dict[str, tuple[int, int]] = {
@@ -395,48 +395,7 @@ class Architecture:
             raise FormatError(p, f"cannot read it: {e.strerror or e}") from None
         if len(data) > MAX_CONFIG_BYTES:
             raise FormatError(p, f"larger than any config.json ({MAX_CONFIG_BYTES} bytes at most)")
-        return cls.from_config(parse_json(data, p), name=str(p))
-
-
-def parse_json(data: bytes, source: object) -> Any:
-    """JSON text as Python objects; FormatError for text that is not JSON, for NaN/Infinity,
-    for integers of more than 30 digits and for nesting deeper than Python can follow."""
-
-    def constant(name: str) -> Any:
-        raise FormatError(source, f"{name} is not a number JSON allows")
-
-    def integer(text: str) -> int:
-        if len(text.lstrip("-")) > 30:
-            raise FormatError(source, f"integer of {len(text)} digits: out of any range")
-        return int(text)
-
-    try:
-        value = json.loads(data, parse_constant=constant, parse_int=integer)
-    except UnicodeDecodeError as e:
-        raise FormatError(source, f"not UTF-8 text: {e.reason}") from None
-    except json.JSONDecodeError as e:
-        raise FormatError(source, f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise FormatError(source, "JSON nested too deeply") from None
-    field = non_finite_field(value)
-    if field is not None:  # json reads a number beyond float64 (1e999) as inf
-        raise FormatError(source, "a number beyond float64's range (read as inf)", field)
-    return value
-
-
-def non_finite_field(value: Any) -> str | None:
-    """The path (`rope_scaling.factor`, `layers[2]`) of the first non-finite float in parsed
-    JSON, or None."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, float) and not math.isfinite(v):
-            return path or "(the document)"
-        if isinstance(v, dict):
-            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items())]
-        elif isinstance(v, list):
-            stack += [(f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
-    return None
+        return cls.from_config(_json.loads(data, p, int_digits=_json.MAX_INT_DIGITS), name=str(p))
 
 
 class _Reader:

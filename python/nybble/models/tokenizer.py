@@ -13,8 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .._json import read_file as read_json
 from ..errors import FormatError
-from ..lora.config import read_json
 
 #: GGUF token types: llama.cpp marks special tokens CONTROL and added ones USER_DEFINED.
 _CONTROL, _USER_DEFINED = 3, 4

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .._json import read_file as read_json
 from ..errors import FormatError
-from ..lora.config import read_json
 
 #: The model types whose math the trainer implements: Llama's decoder (RMSNorm, rotary,
 #: GQA, SwiGLU; SmolLM is a Llama), Mistral's (the same, with an optional sliding window),

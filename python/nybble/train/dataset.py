@@ -21,7 +21,6 @@ longer than a row is truncated (and counted).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _json
 from ..errors import FormatError
 from ..models.tokenizer import Tokenizer
 from .functional import IGNORE_INDEX
@@ -74,17 +74,9 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
                     )
                 if not raw.strip():
                     continue
-                try:
-                    record = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-                except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                    raise FormatError(f"{path}:{number}", f"not a JSON object ({e})") from None
-                yield f"{path}:{number}", record
+                yield f"{path}:{number}", _json.loads(raw, f"{path}:{number}")
     except OSError as e:
         raise FormatError(path, f"cannot be read ({e.strerror or e})") from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _text_records(path: Path, f: Any) -> Iterator[tuple[str, Any]]:
