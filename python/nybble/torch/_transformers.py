@@ -349,7 +349,8 @@ def pretrained_config(path: str | os.PathLike[str], **kwargs: Any) -> Any:
     if found is None:
         return config
     data = found if isinstance(found, dict) else found.to_dict()
-    method = str(data.get("quant_method", ""))
+    found_method = data.get("quant_method", "")
+    method = str(getattr(found_method, "value", found_method))
     if method == METHOD:
         return config
     if method.startswith("bitsandbytes") or data.get("load_in_4bit") or data.get("load_in_8bit"):
