@@ -145,8 +145,9 @@ class Cuda(Device):
         index = device.index if device.index is not None else torch.cuda.current_device()
         handle = int(self._raw_stream(index))
         stream = self._streams.get((index, handle))
-        if stream is None:
-            stream = self._streams[(index, handle)] = cp.cuda.ExternalStream(handle, index)
+        if stream is None:  # handle 0: the legacy default stream, CuPy's null stream too
+            made = cp.cuda.Stream.null if handle == 0 else cp.cuda.ExternalStream(handle, index)
+            stream = self._streams[(index, handle)] = made
         allocate = self._allocators.get(index)
         if allocate is None:
             allocate = self._allocators[index] = _torch_allocator(cp, index)
