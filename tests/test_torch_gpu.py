@@ -121,7 +121,9 @@ def test_qlora_linear_matches_torch(dtype: Any, m: int) -> None:
     twins = [t.detach().float().clone().requires_grad_() for t in (x, a, b)]
     want = twins[0] @ wd.T + 2.0 * ((twins[0] * keep.float()) @ twins[1].T) @ twins[2].T
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    torch.testing.assert_close(
+        y.float(), want, rtol=tol, atol=tol * float(want.detach().abs().max())
+    )
     dy = torch.randn_like(want)
     y.backward(dy.to(dtype))
     want.backward(dy)
@@ -139,6 +141,7 @@ def test_runs_on_torchs_current_stream_with_torchs_memory() -> None:
     want = layer(x)
     pool = cp.get_default_memory_pool()
     before = pool.total_bytes()
+    want_small = layer(x[:2])  # the fused GEMV: its own rounding, not cuBLAS'
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -147,11 +150,12 @@ def test_runs_on_torchs_current_stream_with_torchs_memory() -> None:
             small = layer(x[:2])
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(small, want[:2])
+    assert torch.equal(got, want) and torch.equal(small, want_small)
     assert pool.total_bytes() == before
 
 
 @pytest.mark.parametrize("dq", [False, True])
+@pytest.mark.filterwarnings("ignore:The AccumulateGrad node's stream does not match:UserWarning")
 def test_cuda_graph_capture_and_replay(dq: bool) -> None:
     """A decode-sized forward (fused GEMV) and a training-sized forward and backward of the
     fused QLoRA operator, captured by torch.cuda.graph after a warm-up and replayed over new
@@ -188,6 +192,10 @@ def test_cuda_graph_capture_and_replay(dq: bool) -> None:
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+# torch warns of an empty CUDA graph under reduce-overhead here (a partition of the compiled
+# graph with no kernel of its own, seen with torch 2.11); the outputs are checked against
+# eager over new inputs each call.
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 def test_compile_on_cuda() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -198,11 +206,13 @@ def test_compile_on_cuda() -> None:
         want = model(x)
         got = torch.compile(model, fullgraph=True)(x)
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    x = torch.randn(1, IN, device=CUDA, dtype=torch.bfloat16)
+    # reduce-overhead: CUDA graphs (cudagraph trees) replayed over new inputs each call
     compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    for _ in range(3):
-        got = compiled(x)
-    torch.testing.assert_close(got, model(x), rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(1, IN, device=CUDA, dtype=torch.bfloat16)
+            got = compiled(x).clone()
+            torch.testing.assert_close(got, model(x), rtol=1e-2, atol=1e-2)
 
 
 def test_a_peft_qlora_step_on_a_tiny_llama(tmp_path: Any) -> None:

@@ -20,6 +20,7 @@ which are exact in float64, never the whole weight at once.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -146,7 +147,7 @@ class Cuda(Device):
         handle = int(self._raw_stream(index))
         stream = self._streams.get((index, handle))
         if stream is None:  # handle 0: the legacy default stream, CuPy's null stream too
-            made = cp.cuda.Stream.null if handle == 0 else cp.cuda.ExternalStream(handle, index)
+            made = cp.cuda.Stream.null if handle == 0 else _external_stream(cp, handle, index)
             stream = self._streams[(index, handle)] = made
         allocate = self._allocators.get(index)
         if allocate is None:
@@ -201,6 +202,27 @@ class Cuda(Device):
             nested = NestedAbsmax(absmax, view(w.absmax2), w.offset)
             absmax = None
         return Packed(view(w.codes), absmax, nested, w.shape, w.blocksize, w.codebook)
+
+
+class _StreamHandle:
+    """A stream handle in the CUDA stream protocol (`__cuda_stream__`: version, handle)."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def _external_stream(cp: Any, handle: int, index: int) -> Any:
+    """CuPy's view of torch's stream `handle` on device `index` (made once per stream): CuPy
+    14 deprecates `ExternalStream` for `Stream.from_external`, which earlier versions lack."""
+    external = getattr(cp.cuda, "ExternalStream", None)
+    if external is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return external(handle, index)
+    return cp.cuda.Stream.from_external(_StreamHandle(handle))
 
 
 def _torch_allocator(cp: Any, index: int) -> Callable[[int], Any]:

@@ -87,8 +87,16 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         self.offset = 0.0
         n = self.in_features * self.out_features
         nblocks = -(-n // self.blocksize)
-        codes = torch.zeros((-(-n // 2), 1), dtype=torch.uint8, device=device)
-        self.weight = nn.Parameter(codes, requires_grad=False)
+        if torch.device(device or "cpu").type == "meta":
+            # Before loading (transformers builds models on the meta device): a placeholder
+            # of the float weight to come, whose dtype is the one loaders read it in.
+            placeholder = torch.empty(
+                (self.out_features, self.in_features), dtype=self.weight_dtype, device=device
+            )
+            self.weight = nn.Parameter(placeholder, requires_grad=False)
+        else:
+            codes = torch.zeros((-(-n // 2), 1), dtype=torch.uint8, device=device)
+            self.weight = nn.Parameter(codes, requires_grad=False)
         if self.double_quant:
             absmax = torch.zeros(nblocks, dtype=torch.uint8, device=device)
             absmax2 = torch.zeros(-(-nblocks // NESTED_BLOCKSIZE), dtype=torch.int32, device=device)
