@@ -72,8 +72,12 @@ def test_a_new_layer_is_nn_linears_initialization_quantized() -> None:
     bound = 1 / np.sqrt(64)  # kaiming_uniform(a=sqrt(5)) as nn.Linear
     assert 0.8 * bound < float(w.abs().max()) <= bound * 1.0001
     assert float(layer.bias.detach().abs().max()) <= bound
-    meta = nt.Linear4bit(64, 32, device="meta")
+    # Not yet loaded: a placeholder of the float weight to come, in the dtype loaders read it
+    # in (transformers 5.17 casts the checkpoint's tensor to it), and bitsandbytes' key alone.
+    meta = nt.Linear4bit(64, 32, device="meta", dtype=torch.bfloat16)
     assert meta.weight.is_meta and meta.absmax.is_meta
+    assert meta.weight.dtype == torch.bfloat16 and meta.weight.shape == (32, 64)
+    assert set(meta.state_dict()) == {"weight", "bias"}
 
 
 @pytest.mark.parametrize("dq", [False, True])
