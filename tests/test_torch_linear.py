@@ -181,7 +181,9 @@ def test_compute_dtype_casts_activations_for_the_product() -> None:
     y = layer(x)
     assert y.dtype == torch.float32
     want = (x.bfloat16().float() @ layer.dequantize(torch.float32).T).bfloat16().float()
-    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    # float32 sums (the core's order, torch's order) rounded to bfloat16: one bf16 step apart
+    # at most where a sum falls next to a rounding boundary
+    torch.testing.assert_close(y, want, rtol=2**-7, atol=0)
 
 
 def test_nf4_tensor_round_trip() -> None:
