@@ -144,9 +144,10 @@ def test_a_saved_model_loads_with_the_same_losses(tmp_path: Path) -> None:
     assert loaded.adapter.base_model_name_or_path == str(tmp_path / "m")
 
 
-def test_a_4bit_checkpoint_is_used_as_stored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["bnb", "nybble"])
+def test_a_4bit_checkpoint_is_used_as_stored(tmp_path: Path, layout: str) -> None:
     write_model(tmp_path / "dense")
-    quantize_checkpoint(tmp_path / "dense", tmp_path / "bnb", layout="bnb", double_quant=True)
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "bnb", layout=layout, double_quant=True)
     write_tokenizer(tmp_path / "bnb")
     with open_model(tmp_path / "bnb") as files:
         stored = files.stored_quantized("model.layers.0.mlp.up_proj.weight")
