@@ -84,24 +84,29 @@ def test_products_match_the_dequantized_weight(dq: bool, dtype: Any, m: int) -> 
     torch.testing.assert_close(gx.double(), g.double() @ wd, rtol=tol, atol=tol * scale)
 
 
+#: opcheck compares eager calls with traced ones: cuBLAS may reduce in another order from one
+#: call to the next (split-K), so the products agree to their rounding, not bit for bit.
+TOL = {"atol": 1e-2, "rtol": 2e-2}
+
+
 @pytest.mark.parametrize("dq", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_opcheck_on_cuda(dq: bool, dtype: Any) -> None:
     w, _ = weight_args(dq)
     for m in (2, 20):
         x = torch.randn(m, IN, dtype=dtype, device=CUDA, requires_grad=True)
-        torch.library.opcheck(ops.matmul.default, (x, *w))
+        torch.library.opcheck(ops.matmul.default, (x, *w), **TOL)
         torch.library.opcheck(
-            ops.matmul_t.default, (torch.randn(m, OUT, dtype=dtype, device=CUDA), *w)
+            ops.matmul_t.default, (torch.randn(m, OUT, dtype=dtype, device=CUDA), *w), **TOL
         )
         keep = torch.nn.functional.dropout(torch.ones(m, IN, dtype=dtype, device=CUDA), 0.1)
         a = torch.randn(R, IN, device=CUDA, requires_grad=True)
         b = torch.randn(OUT, R, device=CUDA, requires_grad=True)
         bias = torch.randn(OUT, dtype=dtype, device=CUDA)
-        torch.library.opcheck(ops.qlora_linear.default, (x, keep, *w, a, b, 2.0, bias))
+        torch.library.opcheck(ops.qlora_linear.default, (x, keep, *w, a, b, 2.0, bias), **TOL)
         dy = torch.randn(m, OUT, dtype=dtype, device=CUDA)
         args = (dy, x.detach(), keep, *w, a.detach(), b.detach(), 2.0)
-        torch.library.opcheck(ops.qlora_linear_backward.default, args)
+        torch.library.opcheck(ops.qlora_linear_backward.default, args, **TOL)
     torch.library.opcheck(ops.dequantize.default, (*w, dtype))
     torch.library.opcheck(
         ops.quantize.default, (torch.randn(5, 200, dtype=dtype, device=CUDA), 64, "nf4")
