@@ -34,6 +34,7 @@ SECTIONS: list[tuple[str, str, list[str] | None]] = [
         ["export_state", "import_state", "quantize_4bit", "swap_nibbles"],
     ),
     ("nybble.cuda", "The GPU", None),
+    ("nybble.models", "Pretrained models", None),
     ("nybble.train", "Training", None),
     (
         "nybble.checkpoint",

@@ -39,7 +39,18 @@ __all__ = [
 
 
 #: The public modules: imported on first use (`nybble.train`, `nybble.reference`, ...).
-_MODULES = ("bnb", "checkpoint", "cuda", "errors", "lora", "memory", "reference", "train")
+_MODULES = (
+    "bnb",
+    "checkpoint",
+    "cuda",
+    "errors",
+    "lora",
+    "memory",
+    "models",
+    "reference",
+    "torch",
+    "train",
+)
 
 
 def __getattr__(name: str) -> Any:
