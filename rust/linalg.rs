@@ -1,9 +1,10 @@
-//! Dense f32 matrix products on strided views, through the `gemm` crate (multi-threaded with
-//! rayon). Views carry strides in elements, so transposes are free.
-
-use gemm::Parallelism;
+//! Dense f32 matrix products on strided views, through `simd::gemm` (the `gemm` crates'
+//! kernels for AVX-512, AVX2, NEON or scalar, chosen at run time; multi-threaded with rayon).
+//! Views carry strides in elements, so transposes are free.
 
 use crate::error::{check_len, Error, Result};
+use crate::simd::gemm::Strided;
+use crate::simd::{self, Level};
 
 /// A read-only strided matrix: element (i, j) is `data[offset + i*rs + j*cs]`.
 #[derive(Clone, Copy, Debug)]
@@ -231,6 +232,18 @@ pub fn matmul(
     alpha: f32,
     accumulate: bool,
 ) -> Result<()> {
+    matmul_at(simd::matmul_level(), c, a, b, alpha, accumulate)
+}
+
+/// `matmul` with the kernels of `level` (or the widest below it that this CPU has).
+pub fn matmul_at(
+    level: Level,
+    c: &mut MatMut<'_>,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    alpha: f32,
+    accumulate: bool,
+) -> Result<()> {
     if a.cols != b.rows || c.rows != a.rows || c.cols != b.cols {
         return Err(Error::InvalidArgument(format!(
             "matmul shapes: ({}x{}) @ ({}x{}) into ({}x{})",
@@ -249,33 +262,36 @@ pub fn matmul(
         }
         return Ok(());
     }
+    let work = c.rows.saturating_mul(c.cols).saturating_mul(a.cols);
     // SAFETY: the extents of all three views were checked against their buffers above (so
     // the offsets are in bounds); `c` is borrowed mutably, so it cannot overlap the shared
     // borrows `a` and `b`.
     unsafe {
-        gemm::gemm(
+        simd::gemm::gemm(
+            level,
             c.rows,
             c.cols,
             a.cols,
-            c.data.as_mut_ptr().add(c.offset),
-            c.col_stride,
-            c.row_stride,
-            accumulate,
-            a.data.as_ptr().add(a.offset),
-            a.col_stride,
-            a.row_stride,
-            b.data.as_ptr().add(b.offset),
-            b.col_stride,
-            b.row_stride,
-            1.0,
+            Strided {
+                ptr: c.data.as_mut_ptr().add(c.offset),
+                row_stride: c.row_stride,
+                col_stride: c.col_stride,
+            },
+            Strided {
+                ptr: a.data.as_ptr().add(a.offset),
+                row_stride: a.row_stride,
+                col_stride: a.col_stride,
+            },
+            Strided {
+                ptr: b.data.as_ptr().add(b.offset),
+                row_stride: b.row_stride,
+                col_stride: b.col_stride,
+            },
             alpha,
-            false,
-            false,
-            false,
-            parallelism(c.rows.saturating_mul(c.cols).saturating_mul(a.cols)),
-        );
+            accumulate,
+            threads(work),
+        )
     }
-    Ok(())
 }
 
 /// Sets every element of a checked view.
@@ -291,11 +307,11 @@ fn fill(c: &mut MatMut<'_>, value: f32) {
 }
 
 /// Threads pay off only for products of some size.
-fn parallelism(work: usize) -> Parallelism {
+fn threads(work: usize) -> usize {
     if work >= 1 << 18 {
-        Parallelism::Rayon(0)
+        rayon::current_num_threads()
     } else {
-        Parallelism::None
+        1
     }
 }
 

@@ -504,10 +504,17 @@ fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
     kernels::KERNEL_SOURCES.iter().copied().collect()
 }
 
-/// The instruction set the kernels use on this CPU ("avx2", "neon" or "scalar").
+/// The instruction set the codec's block kernels use on this CPU ("avx2", "neon" or "scalar").
 #[pyfunction]
 fn simd_level() -> &'static str {
     crate::simd::level().name()
+}
+
+/// The instruction set of the dense f32 products' kernels on this CPU ("avx512", "avx2",
+/// "neon" or "scalar"; `NYBBLE_CPU_ISA=avx2` or `scalar` caps it, read once).
+#[pyfunction]
+fn matmul_isa() -> &'static str {
+    crate::simd::matmul_level().name()
 }
 
 /// Panics on purpose: the tests use it to prove a Rust panic reaches Python as an
@@ -541,6 +548,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BLOCK36_VALUES", layout::BLOCK36_VALUES)?;
     m.add("BLOCK36_BYTES", layout::BLOCK36_BYTES)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_isa, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;
     #[cfg(unix)]

@@ -165,7 +165,7 @@ impl GemvCall {
         let data = a.getattr(intern!(py, "data"))?;
         let at: u64 = data.getattr(intern!(py, "ptr"))?.extract()?;
         let device: i64 = data.getattr(intern!(py, "device_id"))?.extract()?;
-        Ok((at % 16 == 0 && device == self.device).then_some(at))
+        Ok((at.is_multiple_of(16) && device == self.device).then_some(at))
     }
 }
 

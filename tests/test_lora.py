@@ -458,3 +458,51 @@ def test_threads_sharing_a_layer_get_their_own_gradients() -> None:
     for t in threads:
         t.join()
     assert not wrong
+
+
+# A LoRA and a QLoRA layer's forward and backward at sizes that reach every path of the core's
+# dense products (thin rank-r products, tiles with edges, more than one depth block), printed
+# as a digest of their bytes.
+_ISA_SCRIPT = """
+import hashlib, sys
+import numpy as np
+from nybble import LoraConfig, LoraLinear, QLoraLinear, _core
+rng = np.random.default_rng(3)
+w = rng.standard_normal((300, 520)).astype(np.float32)
+x = rng.standard_normal((70, 520)).astype(np.float32)
+dy = rng.standard_normal((70, 300)).astype(np.float32)
+digest = hashlib.sha256()
+for layer in (LoraLinear(w, LoraConfig(r=16)), QLoraLinear(w, LoraConfig(r=16))):
+    layer.set_lora_b(rng.standard_normal((300, 16)) * 0.1)
+    for a in (layer.forward(x), layer.backward(dy), layer.grad_a, layer.grad_b):
+        digest.update(np.ascontiguousarray(a).tobytes())
+print(_core.matmul_isa(), digest.hexdigest())
+"""
+
+
+def _run_at(isa: str) -> tuple[str, str]:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NYBBLE_CPU_ISA": isa}
+    out = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, check=True
+    )
+    ran, digest = out.stdout.split()
+    return ran, digest
+
+
+def test_the_cpu_isa_switch_caps_the_products_and_every_isa_gives_the_same_bits() -> None:
+    """NYBBLE_CPU_ISA caps the dense products' instruction set (read once per process); the
+    x86 tiles (AVX-512, AVX2, scalar) are bit-exact twins, so the layers' results are the
+    same bytes whichever runs."""
+    best, want = _run_at("")
+    assert best == nybble._core.matmul_isa()
+    assert best in ("avx512", "avx2", "neon", "scalar")
+    assert _run_at("scalar")[0] == "scalar"
+    assert _run_at("no-such-isa")[0] == best  # unknown names leave the CPU's own
+    if best == "avx512":
+        assert _run_at("avx2") == ("avx2", want)
+    if best in ("avx512", "avx2"):  # NEON runs the gemm crate's kernels, not a twin
+        assert _run_at("scalar") == ("scalar", want)

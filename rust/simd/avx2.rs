@@ -281,3 +281,150 @@ pub unsafe fn dequantize_4bit<O: StoreTable + crate::element::Output>(
     let store32 = |t, codes, out| O::store32(t, codes, out);
     super::dequantize_4bit_blocks(format, codes, absmax, bs, out, table, store32)
 }
+
+/// The dense products' 6×16 register tile (12 ymm accumulators; see `gemm::Tile`): exactly
+/// what its twin `scalar::ScalarTile` computes, bit for bit.
+pub struct Avx2Tile;
+
+impl super::gemm::Tile for Avx2Tile {
+    const MR: usize = 6;
+    const NR: usize = 16;
+
+    #[inline(always)]
+    unsafe fn tile<const ROW_MAJOR_A: bool>(
+        kc: usize,
+        a: *const f32,
+        lda: isize,
+        b: *const f32,
+        ldb: isize,
+        c: *mut f32,
+        rs: isize,
+        mr: usize,
+        nr: usize,
+        alpha: f32,
+        overwrite: bool,
+    ) {
+        tile_6x16::<ROW_MAJOR_A>(kc, a, lda, b, ldb, c, rs, mr, nr, alpha, overwrite)
+    }
+
+    #[inline(always)]
+    unsafe fn scatter(
+        acc: *const f32,
+        c: *mut f32,
+        rs: isize,
+        cs: isize,
+        mr: usize,
+        nr: usize,
+        alpha: f32,
+        overwrite: bool,
+    ) {
+        scatter_avx2(acc, c, rs, cs, mr, nr, alpha, overwrite)
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_6x16<const ROW_MAJOR_A: bool>(
+    kc: usize,
+    mut a: *const f32,
+    lda: isize,
+    mut b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs: isize,
+    mr: usize,
+    nr: usize,
+    alpha: f32,
+    overwrite: bool,
+) {
+    // The rows of C this tile ends in, fetched while the products are computed.
+    for i in 0..mr.min(6) {
+        let row = c.wrapping_offset(i as isize * rs) as *const i8;
+        _mm_prefetch::<_MM_HINT_T0>(row);
+        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(60));
+    }
+    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+    for _ in 0..kc {
+        let b0 = _mm256_loadu_ps(b);
+        let b1 = _mm256_loadu_ps(b.add(8));
+        macro_rules! step {
+            ($i:literal) => {
+                let ai = if ROW_MAJOR_A {
+                    _mm256_broadcast_ss(&*a.offset($i * lda))
+                } else {
+                    _mm256_broadcast_ss(&*a.offset($i))
+                };
+                acc[$i][0] = _mm256_fmadd_ps(ai, b0, acc[$i][0]);
+                acc[$i][1] = _mm256_fmadd_ps(ai, b1, acc[$i][1]);
+            };
+        }
+        step!(0);
+        step!(1);
+        step!(2);
+        step!(3);
+        step!(4);
+        step!(5);
+        a = a.offset(if ROW_MAJOR_A { 1 } else { lda });
+        b = b.offset(ldb);
+    }
+    let alpha = _mm256_set1_ps(alpha);
+    let lanes = |n: usize| {
+        let n = n.min(8) as i32;
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    };
+    let (m0, m1) = (lanes(nr), lanes(nr.saturating_sub(8)));
+    let full = nr >= 16;
+    macro_rules! half {
+        ($i:literal, $v:literal, $mask:expr) => {
+            let q = c.offset($i * rs).add(8 * $v);
+            if full {
+                let out = if overwrite {
+                    _mm256_mul_ps(alpha, acc[$i][$v])
+                } else {
+                    _mm256_fmadd_ps(alpha, acc[$i][$v], _mm256_loadu_ps(q))
+                };
+                _mm256_storeu_ps(q, out);
+            } else {
+                let out = if overwrite {
+                    _mm256_mul_ps(alpha, acc[$i][$v])
+                } else {
+                    _mm256_fmadd_ps(alpha, acc[$i][$v], _mm256_maskload_ps(q, $mask))
+                };
+                _mm256_maskstore_ps(q, $mask, out);
+            }
+        };
+    }
+    macro_rules! store {
+        ($i:literal) => {
+            if $i < mr {
+                half!($i, 0, m0);
+                half!($i, 1, m1);
+            }
+        };
+    }
+    store!(0);
+    store!(1);
+    store!(2);
+    store!(3);
+    store!(4);
+    store!(5);
+}
+
+/// `Tile::scatter` with the fused multiply-adds in hardware.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scatter_avx2(
+    acc: *const f32,
+    c: *mut f32,
+    rs: isize,
+    cs: isize,
+    mr: usize,
+    nr: usize,
+    alpha: f32,
+    overwrite: bool,
+) {
+    super::gemm::scatter_tile(16, acc, c, rs, cs, mr, nr, alpha, overwrite)
+}

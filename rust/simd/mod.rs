@@ -1,6 +1,7 @@
 //! Block kernels: a scalar version of each (the twin every SIMD kernel is tested against) and
 //! AVX2 (x86_64) or NEON (aarch64) versions chosen at run time. Kernels see whole slices of
-//! blocks; the caller in `codec` splits work across threads.
+//! blocks; the caller in `codec` splits work across threads. The dense f32 products (`gemm`)
+//! choose among AVX-512, AVX2, NEON and scalar kernels the same way.
 //!
 //! Contract of the quantize kernels: `x` holds whole blocks of `bs` values, except perhaps a
 //! shorter last one; `codes` and `absmax` are exactly as long as those values need. On a
@@ -18,6 +19,11 @@ use crate::element::{Input, Output};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+pub mod gemm;
+#[cfg(target_arch = "aarch64")]
+mod gemm_neon;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 pub mod scalar;
@@ -28,6 +34,9 @@ pub enum Level {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
+    /// AVX-512F on top of AVX2 + FMA + F16C. Only the dense products have kernels of their
+    /// own for it; the codec's kernels are memory-bound and run their AVX2 versions.
+    Avx512,
     /// aarch64 Advanced SIMD.
     Neon,
 }
@@ -37,21 +46,58 @@ impl Level {
         match self {
             Level::Scalar => "scalar",
             Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
             Level::Neon => "neon",
         }
     }
+
+    fn parse(name: &str) -> Option<Level> {
+        [Level::Scalar, Level::Avx2, Level::Avx512, Level::Neon]
+            .into_iter()
+            .find(|l| name.trim().eq_ignore_ascii_case(l.name()))
+    }
 }
 
-/// The best level this CPU supports, decided once. `NYBBLE_SIMD=scalar` forces the scalar
-/// kernels (for comparisons and benchmarks).
+/// The widest instruction set this CPU has, capped by `NYBBLE_CPU_ISA` (`avx512`, `avx2`,
+/// `neon` or `scalar`; read once): a level the CPU has and at most its own is taken as
+/// asked, anything else (unset, unknown, a level this CPU lacks) leaves the CPU's own. So
+/// `NYBBLE_CPU_ISA=avx2` runs the AVX2 kernels on an AVX-512 machine, to compare the two.
+fn cpu_level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let asked = std::env::var("NYBBLE_CPU_ISA").ok();
+        capped(detect_wide(), asked.as_deref().and_then(Level::parse))
+    })
+}
+
+/// `detected`, or `asked` when it is one of the levels below it on the same CPU.
+fn capped(detected: Level, asked: Option<Level>) -> Level {
+    match (detected, asked) {
+        (_, Some(Level::Scalar)) => Level::Scalar,
+        (Level::Avx512, Some(Level::Avx2)) => Level::Avx2,
+        _ => detected,
+    }
+}
+
+/// The level of the block kernels (the codec), decided once: `cpu_level()`, with AVX-512
+/// running the AVX2 kernels. `NYBBLE_SIMD=scalar` forces the scalar kernels here alone (for
+/// comparisons and benchmarks of the codec).
 pub fn level() -> Level {
     static LEVEL: OnceLock<Level> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         if std::env::var("NYBBLE_SIMD").is_ok_and(|v| v == "scalar") {
             return Level::Scalar;
         }
-        detect()
+        match cpu_level() {
+            Level::Avx512 => Level::Avx2,
+            l => l,
+        }
     })
+}
+
+/// The level of the dense f32 products (`gemm`), decided once: `cpu_level()`.
+pub fn matmul_level() -> Level {
+    cpu_level()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -79,6 +125,15 @@ fn detect() -> Level {
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 fn detect() -> Level {
     Level::Scalar
+}
+
+/// `detect()`, widened to AVX-512 where the CPU has AVX-512F besides AVX2.
+fn detect_wide() -> Level {
+    #[cfg(target_arch = "x86_64")]
+    if detect() == Level::Avx2 && is_x86_feature_detected!("avx512f") {
+        return Level::Avx512;
+    }
+    detect()
 }
 
 /// Input element types the SIMD kernels can load.
@@ -133,7 +188,7 @@ unsafe fn quantize_nf4_blocks<T: Input>(
     let full = x.len() / bs;
     // Guards the raw pointers below (soundness, not error handling): `codec` has checked
     // these lengths and the blocksize before any kernel runs, so it cannot fire from Python.
-    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
+    assert!(bs.is_multiple_of(32) && codes.len() >= full * bs / 2 && absmax.len() >= full);
     for b in 0..full {
         let p = x.as_ptr().add(b * bs);
         let bits = max_abs_bits(p);
@@ -183,7 +238,7 @@ unsafe fn dequantize_4bit_blocks<O: Output, Table: Copy>(
     };
     let full = out.len() / bs;
     // As in `quantize_nf4_blocks`: checked by `codec` first.
-    assert!(bs % 32 == 0 && codes.len() >= full * bs / 2 && absmax.len() >= full);
+    assert!(bs.is_multiple_of(32) && codes.len() >= full * bs / 2 && absmax.len() >= full);
     for (b, &a) in absmax.iter().enumerate().take(full) {
         let t = table(values, a);
         for i in (0..bs).step_by(32) {
@@ -210,9 +265,10 @@ pub fn quantize_nf4<T: SimdInput>(
     absmax: &mut [f32],
 ) -> Result<(), usize> {
     match level {
-        // SAFETY: `Level::Avx2` is only chosen when the CPU has AVX2, FMA and F16C.
+        // SAFETY: `Level::Avx2` and `Level::Avx512` are only chosen when the CPU has AVX2,
+        // FMA and F16C.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { avx2::quantize_nf4(x, bs, codes, absmax) },
+        Level::Avx2 | Level::Avx512 => unsafe { avx2::quantize_nf4(x, bs, codes, absmax) },
         // SAFETY: `Level::Neon` is only chosen when the CPU has NEON.
         #[cfg(target_arch = "aarch64")]
         Level::Neon => unsafe { neon::quantize_nf4(x, bs, codes, absmax) },
@@ -232,7 +288,9 @@ pub fn dequantize_4bit<O: SimdOutput>(
     match level {
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { avx2::dequantize_4bit(format, codes, absmax, bs, out) },
+        Level::Avx2 | Level::Avx512 => unsafe {
+            avx2::dequantize_4bit(format, codes, absmax, bs, out)
+        },
         // SAFETY: as above.
         #[cfg(target_arch = "aarch64")]
         Level::Neon => unsafe { neon::dequantize_4bit(format, codes, absmax, bs, out) },

@@ -118,3 +118,97 @@ pub fn dequantize<O: Output>(
         }
     }
 }
+
+/// The dense products' register tile in plain Rust (see `gemm::Tile`), the twin the SIMD
+/// tiles match bit for bit: each output is a chain of fused multiply-adds over the panel's
+/// depth from zero, then `alpha * acc` or `alpha * acc + c` (fused).
+pub struct ScalarTile;
+
+impl super::gemm::Tile for ScalarTile {
+    const MR: usize = 4;
+    const NR: usize = 4;
+
+    #[inline(always)]
+    unsafe fn tile<const ROW_MAJOR_A: bool>(
+        kc: usize,
+        a: *const f32,
+        lda: isize,
+        b: *const f32,
+        ldb: isize,
+        c: *mut f32,
+        rs: isize,
+        mr: usize,
+        nr: usize,
+        alpha: f32,
+        overwrite: bool,
+    ) {
+        // `mul_add` is one instruction where FMA is enabled, a (correctly rounded, slow)
+        // library call where it is not: x86-64 CPUs with FMA get the former.
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("fma") {
+            return tile_fma::<ROW_MAJOR_A>(kc, a, lda, b, ldb, c, rs, mr, nr, alpha, overwrite);
+        }
+        tile_4x4::<ROW_MAJOR_A>(kc, a, lda, b, ldb, c, rs, mr, nr, alpha, overwrite)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_fma<const ROW_MAJOR_A: bool>(
+    kc: usize,
+    a: *const f32,
+    lda: isize,
+    b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs: isize,
+    mr: usize,
+    nr: usize,
+    alpha: f32,
+    overwrite: bool,
+) {
+    tile_4x4::<ROW_MAJOR_A>(kc, a, lda, b, ldb, c, rs, mr, nr, alpha, overwrite)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_4x4<const ROW_MAJOR_A: bool>(
+    kc: usize,
+    a: *const f32,
+    lda: isize,
+    b: *const f32,
+    ldb: isize,
+    c: *mut f32,
+    rs: isize,
+    mr: usize,
+    nr: usize,
+    alpha: f32,
+    overwrite: bool,
+) {
+    let mut acc = [[0.0f32; 4]; 4];
+    for kk in 0..kc as isize {
+        for (i, row) in acc.iter_mut().enumerate() {
+            let i = i as isize;
+            let ai = if ROW_MAJOR_A {
+                *a.offset(i * lda + kk)
+            } else {
+                *a.offset(kk * lda + i)
+            };
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = ai.mul_add(*b.offset(kk * ldb + j as isize), *v);
+            }
+        }
+    }
+    super::gemm::scatter_tile(
+        4,
+        acc.as_ptr() as *const f32,
+        c,
+        rs,
+        1,
+        mr,
+        nr,
+        alpha,
+        overwrite,
+    )
+}

@@ -291,3 +291,265 @@ fn the_simd_block_loop_survives_a_value_that_changes_between_scans() {
     };
     assert_eq!(r, Err(64));
 }
+
+// --- the dense products (`gemm`) ---------------------------------------------------------
+
+use super::gemm::{gemm, Strided};
+
+/// How an operand of `rows x cols` lies in its buffer: (row stride, column stride, length).
+#[derive(Clone, Copy, Debug)]
+enum Lay {
+    RowMajor,
+    ColMajor,
+    /// Rows padded by 3 elements.
+    Padded,
+    /// Neither stride 1: every other element of rows twice as long.
+    Sparse,
+}
+
+impl Lay {
+    fn strides(self, rows: usize, cols: usize) -> (isize, isize, usize) {
+        let (r, c) = (rows as isize, cols as isize);
+        let (rs, cs) = match self {
+            Lay::RowMajor => (c, 1),
+            Lay::ColMajor => (1, r),
+            Lay::Padded => (c + 3, 1),
+            Lay::Sparse => (2 * c + 1, 2),
+        };
+        let len = if rows == 0 || cols == 0 {
+            0
+        } else {
+            ((r - 1) * rs + (c - 1) * cs + 1) as usize
+        };
+        (rs, cs, len)
+    }
+}
+
+const LAYS: [Lay; 4] = [Lay::RowMajor, Lay::ColMajor, Lay::Padded, Lay::Sparse];
+
+/// Values with exact zeros, negative zeros and a spread of magnitudes.
+fn operand(rng: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| match rng.next() % 16 {
+            0 => 0.0,
+            1 => -0.0,
+            2 => rng.uniform() * 1e4,
+            3 => rng.uniform() * 1e-4,
+            _ => rng.uniform(),
+        })
+        .collect()
+}
+
+/// The levels whose products are compared: the scalar twin and every SIMD tile this CPU has.
+fn gemm_levels() -> Vec<Level> {
+    let mut levels = vec![Level::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if detect() == Level::Avx2 {
+            levels.push(Level::Avx2);
+        }
+        if detect_wide() == Level::Avx512 {
+            levels.push(Level::Avx512);
+        }
+    }
+    levels
+}
+
+/// One product `C (+)= alpha A B` at `level`, C starting from `c0` laid out as `lc`.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    level: Level,
+    (m, n, k): (usize, usize, usize),
+    (a, la): (&[f32], Lay),
+    (b, lb): (&[f32], Lay),
+    (c0, lc): (&[f32], Lay),
+    alpha: f32,
+    accumulate: bool,
+    threads: usize,
+) -> Vec<f32> {
+    let (ars, acs, _) = la.strides(m, k);
+    let (brs, bcs, _) = lb.strides(k, n);
+    let (crs, ccs, _) = lc.strides(m, n);
+    let mut c = c0.to_vec();
+    // SAFETY: every operand's buffer has the length its layout needs (`Lay::strides`).
+    unsafe {
+        gemm(
+            level,
+            m,
+            n,
+            k,
+            Strided {
+                ptr: c.as_mut_ptr(),
+                row_stride: crs,
+                col_stride: ccs,
+            },
+            Strided {
+                ptr: a.as_ptr(),
+                row_stride: ars,
+                col_stride: acs,
+            },
+            Strided {
+                ptr: b.as_ptr(),
+                row_stride: brs,
+                col_stride: bcs,
+            },
+            alpha,
+            accumulate,
+            threads,
+        )
+        .unwrap();
+    }
+    c
+}
+
+/// The same bits, NaN for NaN.
+fn same_bits(x: &[f32], y: &[f32]) -> bool {
+    x.len() == y.len()
+        && x.iter()
+            .zip(y)
+            .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
+}
+
+/// Shapes around the tiles' sizes (12×32, 6×16, 4×4), the depth block (256), the thin
+/// products' rules (16 rows or columns) and the column block (4096).
+const GEMM_SHAPES: [(usize, usize, usize); 16] = [
+    (1, 1, 1),
+    (1, 37, 5),
+    (13, 1, 29),
+    (5, 300, 1),
+    (37, 29, 53),
+    (12, 32, 256),
+    (25, 65, 257),
+    (16, 17, 700),
+    (17, 16, 33),
+    (16, 100, 40),
+    (100, 16, 40),
+    (24, 48, 513),
+    (70, 100, 520),
+    (145, 33, 20),
+    (3, 4100, 7),
+    (2, 9, 4),
+];
+
+#[test]
+fn gemm_simd_matches_scalar_bit_for_bit() {
+    let levels = gemm_levels();
+    let mut rng = Rng(11);
+    for (s, &(m, n, k)) in GEMM_SHAPES.iter().enumerate() {
+        for (l, (la, lb)) in LAYS.iter().flat_map(|a| LAYS.map(|b| (*a, b))).enumerate() {
+            // Every layout pair for each shape, C's layout and the flags in rotation.
+            let lc = LAYS[(s + l) % 4];
+            let accumulate = (s + l) % 3 == 0;
+            let alpha = if l % 2 == 0 { 1.0 } else { -0.75 };
+            let a = operand(&mut rng, la.strides(m, k).2);
+            let b = operand(&mut rng, lb.strides(k, n).2);
+            let c0 = operand(&mut rng, lc.strides(m, n).2);
+            let want = product(
+                Level::Scalar,
+                (m, n, k),
+                (&a, la),
+                (&b, lb),
+                (&c0, lc),
+                alpha,
+                accumulate,
+                1,
+            );
+            for &level in &levels {
+                for threads in [1, 2] {
+                    let got = product(
+                        level,
+                        (m, n, k),
+                        (&a, la),
+                        (&b, lb),
+                        (&c0, lc),
+                        alpha,
+                        accumulate,
+                        threads,
+                    );
+                    assert!(
+                        same_bits(&got, &want),
+                        "{level:?} x{threads}, {m}x{n}x{k}, A {la:?}, B {lb:?}, C {lc:?}, alpha {alpha}, accumulate {accumulate}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_matches_a_naive_product_and_leaves_strided_gaps_alone() {
+    let mut rng = Rng(5);
+    for &(m, n, k) in &GEMM_SHAPES {
+        for lc in LAYS {
+            let a = operand(&mut rng, m * k);
+            let b = operand(&mut rng, k * n);
+            let (crs, ccs, len) = lc.strides(m, n);
+            // Gaps in C's buffer hold a marker that no product may touch.
+            let c0 = vec![7.5f32; len];
+            let mut want = c0.clone();
+            // The rounding error of a sum is bounded by (a multiple of) its terms' magnitudes.
+            let mut bound = vec![0.0f32; len];
+            for i in 0..m {
+                for j in 0..n {
+                    let term = |p: usize| a[i * k + p] as f64 * b[p * n + j] as f64;
+                    let dot: f64 = (0..k).map(term).sum();
+                    let size: f64 = (0..k).map(|p| term(p).abs()).sum();
+                    let at = (i as isize * crs + j as isize * ccs) as usize;
+                    want[at] = (7.5 + 0.5 * dot) as f32;
+                    bound[at] = (1e-6 * (8.0 + size)) as f32;
+                }
+            }
+            for level in gemm_levels() {
+                let got = product(
+                    level,
+                    (m, n, k),
+                    (&a, Lay::RowMajor),
+                    (&b, Lay::RowMajor),
+                    (&c0, lc),
+                    0.5,
+                    true,
+                    2,
+                );
+                for ((g, w), e) in got.iter().zip(&want).zip(&bound) {
+                    assert!(
+                        (g - w).abs() <= *e,
+                        "{level:?} {m}x{n}x{k} C {lc:?}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gemm_non_finite_values_reach_only_their_rows_and_columns() {
+    // The tiles pad partial panels with zeros; an inf times a padded zero is NaN, which
+    // must stay in the padding.
+    let (m, n, k) = (13, 35, 9);
+    let mut a = vec![1.0f32; m * k];
+    let mut b = vec![1.0f32; k * n];
+    a[5 * k + 2] = f32::INFINITY; // row 5
+    b[4 * n + 33] = f32::NAN; // column 33
+    for level in gemm_levels() {
+        let c = product(
+            level,
+            (m, n, k),
+            (&a, Lay::RowMajor),
+            (&b, Lay::RowMajor),
+            (&vec![0.0; m * n], Lay::RowMajor),
+            1.0,
+            false,
+            1,
+        );
+        for i in 0..m {
+            for j in 0..n {
+                let v = c[i * n + j];
+                match (i, j) {
+                    (_, 33) => assert!(v.is_nan(), "{level:?} ({i}, {j})"),
+                    (5, _) => assert_eq!(v, f32::INFINITY, "{level:?} ({i}, {j})"),
+                    _ => assert_eq!(v, k as f32, "{level:?} ({i}, {j})"),
+                }
+            }
+        }
+    }
+}
