@@ -93,6 +93,19 @@ pub fn dequantize_into<O: SimdOutput>(
     format: Format,
     out: &mut [O],
 ) -> Result<()> {
+    dequantize_into_with(codes, absmax, blocksize, format, out, true)
+}
+
+/// `dequantize_into`, on rayon's threads when `parallel` (and `out` is large), else on this
+/// one (for callers that already run one task per thread).
+pub fn dequantize_into_with<O: SimdOutput>(
+    codes: &[u8],
+    absmax: &[f32],
+    blocksize: usize,
+    format: Format,
+    out: &mut [O],
+    parallel: bool,
+) -> Result<()> {
     check_blocksize(blocksize)?;
     let n = out.len();
     check_len("bytes of codes", format.code_bytes(n), codes.len())?;
@@ -103,7 +116,7 @@ pub fn dequantize_into<O: SimdOutput>(
         4 => simd::dequantize_4bit(level, format, c, a, blocksize, o),
         _ => scalar::dequantize(format, c, a, blocksize, o),
     };
-    if n < PARALLEL_MIN {
+    if n < PARALLEL_MIN || !parallel {
         kernel(codes, absmax, out);
     } else {
         out.par_chunks_mut(TASK_ELEMENTS)

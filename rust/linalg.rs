@@ -294,6 +294,94 @@ pub fn matmul_at(
     }
 }
 
+/// A destination whose column blocks are products written by different threads at once
+/// (`matmul_cols`): the raw parts of a checked `MatMut`, borrowed for its lifetime.
+pub struct ColumnBlocks<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    cols: usize,
+    row_stride: isize,
+    col_stride: isize,
+    _borrow: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: the threads write disjoint column blocks (the contract of `matmul_cols`).
+unsafe impl Send for ColumnBlocks<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for ColumnBlocks<'_> {}
+
+impl<'a> ColumnBlocks<'a> {
+    /// The blocks of `c`, whose extent is checked here.
+    pub fn new(c: &'a mut MatMut<'_>) -> Result<ColumnBlocks<'a>> {
+        c.check("output")?;
+        let ptr = c.data.as_mut_ptr().wrapping_add(c.offset);
+        Ok(ColumnBlocks {
+            ptr,
+            rows: c.rows,
+            cols: c.cols,
+            row_stride: c.row_stride,
+            col_stride: c.col_stride,
+            _borrow: std::marker::PhantomData,
+        })
+    }
+
+    /// `c[:, j0..j0+b.cols] = alpha * a @ b` (`+=` when `accumulate`) on this thread alone.
+    ///
+    /// # Safety
+    /// No other thread reads or writes columns `j0..j0+b.cols` during the call.
+    pub unsafe fn matmul_cols(
+        &self,
+        j0: usize,
+        a: MatRef<'_>,
+        b: MatRef<'_>,
+        alpha: f32,
+        accumulate: bool,
+    ) -> Result<()> {
+        let fits = j0.checked_add(b.cols).is_some_and(|end| end <= self.cols);
+        if !fits || a.cols != b.rows || a.rows != self.rows {
+            return Err(Error::InvalidArgument(format!(
+                "matmul shapes: ({}x{}) @ ({}x{}) into columns {j0}.. of ({}x{})",
+                a.rows, a.cols, b.rows, b.cols, self.rows, self.cols
+            )));
+        }
+        a.check("left operand")?;
+        b.check("right operand")?;
+        if self.rows == 0 || b.cols == 0 || a.cols == 0 {
+            return Err(Error::InvalidArgument(
+                "matmul_cols: empty products are the caller's".into(),
+            ));
+        }
+        // In bounds: `new` checked the whole view, and these columns lie inside it.
+        let ptr = self
+            .ptr
+            .wrapping_offset((j0 as isize).wrapping_mul(self.col_stride));
+        simd::gemm::gemm(
+            simd::matmul_level(),
+            self.rows,
+            b.cols,
+            a.cols,
+            Strided {
+                ptr,
+                row_stride: self.row_stride,
+                col_stride: self.col_stride,
+            },
+            Strided {
+                ptr: a.data.as_ptr().add(a.offset),
+                row_stride: a.row_stride,
+                col_stride: a.col_stride,
+            },
+            Strided {
+                ptr: b.data.as_ptr().add(b.offset),
+                row_stride: b.row_stride,
+                col_stride: b.col_stride,
+            },
+            alpha,
+            accumulate,
+            1,
+        )
+    }
+}
+
 /// Sets every element of a checked view.
 fn fill(c: &mut MatMut<'_>, value: f32) {
     for i in 0..c.rows {
@@ -307,7 +395,7 @@ fn fill(c: &mut MatMut<'_>, value: f32) {
 }
 
 /// Threads pay off only for products of some size.
-fn threads(work: usize) -> usize {
+pub fn threads(work: usize) -> usize {
     if work >= 1 << 18 {
         rayon::current_num_threads()
     } else {

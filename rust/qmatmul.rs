@@ -7,7 +7,11 @@ use crate::codebook::Format;
 use crate::codec;
 use crate::error::{check_len, checked_mul, Error, Result};
 use crate::layout::{block_count, check_blocksize};
-use crate::linalg::{matmul, MatMut, MatRef};
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use crate::linalg::{self, matmul, ColumnBlocks, MatMut, MatRef};
 
 /// A quantized row-major matrix.
 #[derive(Clone, Copy, Debug)]
@@ -43,14 +47,18 @@ impl QuantizedMatrix<'_> {
     }
 
     /// Rows per tile: a multiple of `align` (so every tile starts on a block boundary) near
-    /// `min(TILE_MAX_ELEMENTS, size / TILE_MAX_FRACTION)` elements. Needs `check()` passed
+    /// `min(TILE_MAX_ELEMENTS, size / TILE_MAX_FRACTION) / in_flight` elements, so that
+    /// `in_flight` tiles at once stay within the budget. Needs `check()` passed
     /// (`rows * cols` fits) and `cols > 0`.
-    fn tile_rows(&self) -> usize {
+    fn tile_rows(&self, in_flight: usize) -> usize {
         // Checked and saturating only in form: `rows * cols` fits, the divisors are >= 1.
         let align = (self.blocksize)
             .checked_div(gcd(self.cols.max(1), self.blocksize))
             .unwrap_or(1);
-        let target = TILE_MAX_ELEMENTS.min(self.rows.saturating_mul(self.cols) / TILE_MAX_FRACTION);
+        let target = TILE_MAX_ELEMENTS
+            .min(self.rows.saturating_mul(self.cols) / TILE_MAX_FRACTION)
+            .checked_div(in_flight)
+            .unwrap_or(0);
         let aligned_tiles = target
             .checked_div(self.cols)
             .and_then(|rows| rows.checked_div(align))
@@ -61,8 +69,15 @@ impl QuantizedMatrix<'_> {
             .min(self.rows.max(1))
     }
 
-    /// Dequantizes rows `r0..r0+len` into `tile` (row-major, `len * cols` elements).
-    fn dequantize_rows(&self, r0: usize, len: usize, tile: &mut [f32]) -> Result<()> {
+    /// Dequantizes rows `r0..r0+len` into `tile` (row-major, `len * cols` elements), on
+    /// rayon's threads when `parallel`.
+    fn dequantize_rows(
+        &self,
+        r0: usize,
+        len: usize,
+        tile: &mut [f32],
+        parallel: bool,
+    ) -> Result<()> {
         let out_of_range = || {
             Error::InvalidArgument(format!(
                 "rows {r0}..{r0}+{len} of a quantized {}x{} weight",
@@ -78,12 +93,13 @@ impl QuantizedMatrix<'_> {
         };
         let first_scale = start.checked_div(self.blocksize).ok_or_else(out_of_range)?;
         let scale_range = first_scale..end.div_ceil(self.blocksize);
-        codec::dequantize_into(
+        codec::dequantize_into_with(
             self.codes.get(code_range).ok_or_else(out_of_range)?,
             self.absmax.get(scale_range).ok_or_else(out_of_range)?,
             self.blocksize,
             self.format,
             tile.get_mut(..count).ok_or_else(out_of_range)?,
+            parallel,
         )
     }
 
@@ -94,13 +110,13 @@ impl QuantizedMatrix<'_> {
         if self.rows == 0 || self.cols == 0 {
             return Ok(());
         }
-        let step = self.tile_rows();
+        let step = self.tile_rows(1);
         let mut tile = zeroed(checked_mul("elements of a tile", step, self.cols)?)?;
         let mut r0 = 0;
         while r0 < self.rows {
             // `step <= rows`, so neither a tile nor `r0` passes `rows * cols`, which fits.
             let len = step.min(self.rows.saturating_sub(r0));
-            self.dequantize_rows(r0, len, &mut tile)?;
+            self.dequantize_rows(r0, len, &mut tile, true)?;
             let values = tile
                 .get(..len.saturating_mul(self.cols))
                 .unwrap_or_default();
@@ -140,6 +156,10 @@ pub fn matmul_wt(
         // An empty reduction: y is zero (or unchanged when accumulating).
         return matmul(y, x, MatRef::row_major(&[], 0, w.rows), alpha, accumulate);
     }
+    let threads = linalg::threads(y.rows.saturating_mul(w.rows).saturating_mul(w.cols));
+    if threads > 1 {
+        return matmul_wt_tiles_in_parallel(y, x, w, alpha, accumulate, threads);
+    }
     w.for_each_tile(|r0, tile| {
         matmul(
             &mut y.cols_mut(r0, tile.rows)?,
@@ -148,6 +168,51 @@ pub fn matmul_wt(
             alpha,
             accumulate,
         )
+    })
+}
+
+/// `matmul_wt` with the tiles handed out to `threads` threads as they come free, each
+/// dequantizing one and multiplying it on its own: no thread waits on another before the
+/// end (on a machine shared with other work, a thread held up holds up no one), and `x` is
+/// read in place by every tile (`simd::gemm`). The tiles are `threads` times smaller, so the
+/// extra memory is the same.
+fn matmul_wt_tiles_in_parallel(
+    y: &mut MatMut<'_>,
+    x: MatRef<'_>,
+    w: &QuantizedMatrix<'_>,
+    alpha: f32,
+    accumulate: bool,
+    threads: usize,
+) -> Result<()> {
+    let step = w.tile_rows(threads);
+    let tile_len = checked_mul("elements of a tile", step, w.cols)?;
+    let starts: Vec<usize> = (0..w.rows).step_by(step).collect();
+    let out = ColumnBlocks::new(y)?;
+    // One buffer per thread, allocated here (not in the threads' own allocator arenas, which
+    // keep what they freed): taken by a task, put back after its tile.
+    let buffers = (0..threads.min(starts.len()))
+        .map(|_| zeroed::<f32>(tile_len))
+        .collect::<Result<Vec<_>>>()?;
+    let buffers = Mutex::new(buffers);
+    starts.par_iter().with_max_len(1).try_for_each(|&r0| {
+        let spare = buffers.lock().ok().and_then(|mut free| free.pop());
+        let mut tile = match spare {
+            Some(buf) => buf,
+            None => zeroed(tile_len)?, // only if rayon ran more tasks at once than threads
+        };
+        let len = step.min(w.rows.saturating_sub(r0));
+        // On this thread: a nested parallel loop would let this thread take up another
+        // tile while it waits, and hold a third buffer.
+        w.dequantize_rows(r0, len, &mut tile, false)?;
+        let values = tile.get(..len.saturating_mul(w.cols)).unwrap_or_default();
+        let rows = MatRef::row_major(values, len, w.cols);
+        // SAFETY: each start is one task's, and the tiles' rows of W are disjoint, so are
+        // the columns of y they write.
+        let done = unsafe { out.matmul_cols(r0, x, rows.t(), alpha, accumulate) };
+        if let Ok(mut free) = buffers.lock() {
+            free.push(tile);
+        }
+        done
     })
 }
 
@@ -290,6 +355,43 @@ mod tests {
         }
     }
 
+    #[test]
+    fn tiles_in_parallel_give_the_bits_of_tiles_in_turn() {
+        // Each output column comes from one tile's product, computed the same way whatever
+        // the tile's size or thread: the two paths agree bit for bit.
+        let (rows, cols, m) = (1000, 320, 37);
+        let wv: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 31 % 113) as f32 - 56.0) / 9.0)
+            .collect();
+        let q = quantize(&wv, 64, Format::Nf4).unwrap();
+        let w = weight(&q, rows, cols);
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| (i % 17) as f32 / 17.0 - 0.4)
+            .collect();
+        let x = MatRef::row_major(&x, m, cols);
+        for accumulate in [false, true] {
+            let mut parallel = vec![0.5f32; m * rows];
+            let mut out = MatMut::row_major(&mut parallel, m, rows);
+            matmul_wt_tiles_in_parallel(&mut out, x, &w, 0.75, accumulate, 3).unwrap();
+            let mut in_turn = vec![0.5f32; m * rows];
+            let mut out = MatMut::row_major(&mut in_turn, m, rows);
+            w.for_each_tile(|r0, tile| {
+                matmul(
+                    &mut out.cols_mut(r0, tile.rows)?,
+                    x,
+                    tile.t(),
+                    0.75,
+                    accumulate,
+                )
+            })
+            .unwrap();
+            assert!(parallel
+                .iter()
+                .zip(&in_turn)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
     fn dense(w: &QuantizedMatrix<'_>) -> Vec<f32> {
         let mut out = vec![0.0; w.rows * w.cols];
         codec::dequantize_into(w.codes, w.absmax, w.blocksize, w.format, &mut out).unwrap();
@@ -318,7 +420,7 @@ mod tests {
                 blocksize: bs,
                 format: Format::Nf4,
             };
-            assert!(w.tile_rows() < rows || rows < 16);
+            assert!(w.tile_rows(1) < rows || rows < 16);
             let wd = dense(&w);
             let x: Vec<f32> = (0..m * cols).map(|i| (i % 13) as f32 / 13.0).collect();
             let mut y = vec![0.0f32; m * rows];

@@ -275,7 +275,8 @@ fn buffer(floats: usize) -> Result<Vec<Line>> {
 #[derive(Clone, Copy)]
 struct Plan {
     /// A read in place (its full row panels) rather than packed: when few columns of C
-    /// share each panel, so packing would cost as much as the products, and A is row-major.
+    /// share each panel, so packing would cost a good part of the products, and A is
+    /// row-major.
     a_in_place: bool,
 }
 
@@ -310,7 +311,9 @@ impl Product {
             self
         };
         let plan = Plan {
-            a_in_place: few(p.n) && row_major(p.a),
+            // Packing A costs about as much as 16 columns of products (and reading it in
+            // place costs the 12-row tile address arithmetic): worth it for wide products.
+            a_in_place: p.n <= 256 && row_major(p.a),
         };
         // A few columns would fill half of a 32-wide tile at most, a few rows two thirds of
         // two 12-row tiles: the 16×6 one does the same work (bit for bit) with less padding.
@@ -375,8 +378,10 @@ impl Product {
         let split_cols = !split_rows && threads > 1 && n_panels >= 2 * threads;
         let workers = if split_rows || split_cols { threads } else { 1 };
         let mut packed_b = buffer(KC * n_panels * nr)?;
+        // A read in place needs room for its partial last panel only.
+        let a_room = if plan.a_in_place { mr * KC } else { MC * KC };
         let mut packed_a = (0..workers)
-            .map(|_| buffer(MC * KC))
+            .map(|_| buffer(a_room))
             .collect::<Result<Vec<_>>>()?;
         let b_buf = Shared(packed_b.as_mut_ptr() as *mut f32);
         for jc in (0..n).step_by(NC) {
@@ -406,6 +411,12 @@ impl Product {
                     };
                     let a_buf = a_buf.as_mut_ptr() as *mut f32;
                     let mc_panels = MC / mr;
+                    // Where panel `ip` of the block from `ip0` is packed (read in place, A
+                    // packs its one partial panel only, at the start).
+                    let slot = |ip: usize, ip0: usize| {
+                        let index = if plan.a_in_place { 0 } else { ip - ip0 };
+                        a_buf.add(index * kb * mr)
+                    };
                     let mut ip0 = rows.start;
                     while ip0 < rows.end {
                         let ip1 = rows.end.min(ip0 + mc_panels);
@@ -413,8 +424,7 @@ impl Product {
                         for ip in ip0..ip1 {
                             let i = ip * mr;
                             if !(plan.a_in_place && i + mr <= m) {
-                                let dst = a_buf.add((ip - ip0) * kb * mr);
-                                pack_a::<T>(dst, self.a, i, mr.min(m - i), pc, kb);
+                                pack_a::<T>(slot(ip, ip0), self.a, i, mr.min(m - i), pc, kb);
                             }
                         }
                         for q in cols.clone() {
@@ -440,8 +450,7 @@ impl Product {
                                         overwrite,
                                     );
                                 } else {
-                                    let a = a_buf.add((ip - ip0) * kb * mr) as *const f32;
-                                    let a = (a, mr as isize);
+                                    let a = (slot(ip, ip0) as *const f32, mr as isize);
                                     self.tile::<T, false>(
                                         kb,
                                         a,
