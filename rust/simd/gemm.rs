@@ -607,6 +607,7 @@ unsafe fn pack_b<T: Tile>(
 /// Copies `len` floats (a few dozen: a panel's row), in place of a call to `memcpy`.
 #[inline(always)]
 unsafe fn copy_run(src: *const f32, dst: *mut f32, len: usize) {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut j = 0;
     #[cfg(target_arch = "x86_64")]
     while j + 4 <= len {
@@ -629,6 +630,7 @@ unsafe fn interleave(
     depth: usize,
     line: impl Fn(usize) -> *const f32,
 ) {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut i = 0;
     // Groups of four lines, four depths at a time, through 4×4 transposes.
     #[cfg(target_arch = "x86_64")]

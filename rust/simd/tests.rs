@@ -342,6 +342,7 @@ fn operand(rng: &mut Rng, len: usize) -> Vec<f32> {
 
 /// The levels whose products are compared: the scalar twin and every SIMD tile this CPU has.
 fn gemm_levels() -> Vec<Level> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut levels = vec![Level::Scalar];
     #[cfg(target_arch = "x86_64")]
     {
@@ -499,7 +500,12 @@ fn gemm_matches_a_naive_product_and_leaves_strided_gaps_alone() {
                     bound[at] = (1e-6 * (8.0 + size)) as f32;
                 }
             }
-            for level in gemm_levels() {
+            // NEON (the gemm crates' kernels) is no twin, but must give the product.
+            #[cfg(target_arch = "aarch64")]
+            let levels = [gemm_levels(), vec![Level::Neon]].concat();
+            #[cfg(not(target_arch = "aarch64"))]
+            let levels = gemm_levels();
+            for level in levels {
                 let got = product(
                     level,
                     (m, n, k),
@@ -530,7 +536,11 @@ fn gemm_non_finite_values_reach_only_their_rows_and_columns() {
     let mut b = vec![1.0f32; k * n];
     a[5 * k + 2] = f32::INFINITY; // row 5
     b[4 * n + 33] = f32::NAN; // column 33
-    for level in gemm_levels() {
+    #[cfg(target_arch = "aarch64")]
+    let levels = [gemm_levels(), vec![Level::Neon]].concat();
+    #[cfg(not(target_arch = "aarch64"))]
+    let levels = gemm_levels();
+    for level in levels {
         let c = product(
             level,
             (m, n, k),
