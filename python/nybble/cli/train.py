@@ -23,6 +23,7 @@ import numpy as np
 from .. import LoraConfig
 from .._files import atomic_write, remove_stale_temporaries
 from ..errors import FormatError
+from ..models import open_model
 from ..train import Trainer, TransformerConfig, corpus_batch
 from ..train.data import CORPUS_BYTES
 from ..train.dataset import PackedBatches, file_digest, pieces, read_samples, split_eval
@@ -468,6 +469,8 @@ def _build(args: argparse.Namespace) -> Trainer:
         )
         _check_size(config, args)
         return Trainer(config, _lora(args), quant=quant, device=args.device, **common)
+    with open_model(args.model) as files:  # its size, before a tensor is read
+        _check_size(TransformerConfig.from_hf(files.config, where=str(files.path)), args)
     return Trainer.from_pretrained(
         args.model, _lora(args), quant=quant, device=args.device, **common
     )
