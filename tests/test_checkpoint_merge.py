@@ -201,16 +201,22 @@ def _rewrite(path: Path, change: Any) -> None:
 @pytest.mark.parametrize("case", EXTRA_CASES)
 def test_merge_equals_peft_merge_and_unload_with_extra_tensors(tmp_path: Path, case: str) -> None:
     """Fixtures PEFT 0.21 wrote (tests/fixtures/make_peft_fixtures.py): the merged checkpoint
-    is PEFT's `merge_and_unload()` saved, tensor for tensor, bit for bit: a modules_to_save
+    is PEFT's `merge_and_unload()` saved, tensor for tensor (bit for bit but for the LoRA
+    products' float32 rounding, which is each BLAS's own): a modules_to_save
     copy in place of the base's weight, trainable tokens' rows in the embedding (a tied
     lm_head follows it, as it stays tied)."""
     report = merge_adapter(EXTRAS / case / "base", EXTRAS / case, tmp_path / "out")
     got = _read(tmp_path / "out")
     want = nybble.safetensors_io.load(EXTRAS / case / "merged.safetensors")
     assert set(got) == set(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
     base = nybble.safetensors_io.load(EXTRAS / case / "base" / "model.safetensors")
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        if name.endswith("_proj.weight") and not np.array_equal(want[name], base[name]):
+            # W + s·B·A: the product's rounding is the BLAS's (torch's vs nybble's GEMM)
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+        else:  # the extras and untouched weights: bit for bit
+            assert np.array_equal(got[name], want[name]), name
     if case == "modules_to_save":
         replaced = ["lm_head.weight", "model.embed_tokens.weight"]
         assert sorted(report.weights["replaced"]) == replaced
