@@ -10,7 +10,8 @@ transformers' config classes (attention biases on, so that biases are carried to
 - PEFT: `target_modules="all-linear"` finds the layers, the fused forward and backward equal
   PEFT's own LoRA path (dropout included), an adapter trains, saves PEFT's files and reloads
   (with and without nybble's layer registered), `merge_and_unload` re-quantizes W + BA;
-- HF Trainer with gradient checkpointing; torch.compile(fullgraph=True); generate."""
+- HF Trainer and TRL's SFTTrainer with gradient checkpointing; torch.compile(fullgraph=True);
+  generate."""
 
 from __future__ import annotations
 
@@ -355,6 +356,48 @@ def test_hf_trainer_with_gradient_checkpointing(checkpoint: Path, tmp_path: Path
     assert len(losses) == 10 and np.mean(losses[-3:]) < np.mean(losses[:3])
     assert model.base_model.model.model.gradient_checkpointing
     assert lora_layers(model)
+
+
+def test_trl_sft_trainer_with_gradient_checkpointing(checkpoint: Path, tmp_path: Path) -> None:
+    """TRL's SFTTrainer as its docs show it (a text dataset, a tokenizer, `peft_config`), with
+    the LoRA config passed through register_lora: nybble's layers train."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"w{i}": i for i in range(256)}, unk_token="w0")
+    )
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="w1", eos_token="w2"
+    )
+    rng = np.random.default_rng(4)
+    texts = [" ".join(f"w{j}" for j in rng.integers(3, 256, 16)) for _ in range(8)]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=10,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        gradient_checkpointing=True,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_length=32,
+    )
+    trainer = trl.SFTTrainer(
+        model=nybble_model(checkpoint, double_quant=True),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"text": texts}),
+        processing_class=tokenizer,
+        peft_config=nt.register_lora(lora),
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 10 and np.mean(losses[-3:]) < np.mean(losses[:3])
+    assert len(lora_layers(trainer.model)) == LAYERS * len(PROJECTIONS)
 
 
 def test_compile_fullgraph_of_a_peft_training_step(checkpoint: Path) -> None:
