@@ -24,8 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _json, formats
-from .backends import cpu
+from . import _json, backends, formats
 from .errors import FormatError
 from .formats import NESTED_BLOCKSIZE, NestedAbsmax, Packed
 from .tensor import NF4Tensor, quantize, scale_problem
@@ -97,7 +96,7 @@ def _array(state: Mapping[str, Any], key: str) -> np.ndarray:
     if hasattr(value, "detach"):  # a torch tensor, perhaps on a GPU
         value = value.detach().cpu()
     try:
-        return cpu.as_numpy(value, key)
+        return backends.get("cpu").asarray(value, key)
     except ValueError as e:
         raise FormatError(SOURCE, f"not an array ({e})", key) from None
 

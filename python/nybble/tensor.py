@@ -191,27 +191,24 @@ class NF4Tensor:
                 "the 36-byte block layout holds NF4 codes in blocks of 64; this tensor is "
                 f"{self.codebook} with blocksize {self.blocksize}"
             )
-        from .backends import cpu
-
-        return cpu.BACKEND.to_blocks36(self.cpu()._packed)
+        return backends.get("cpu").to_blocks36(self.cpu()._packed)
 
     @classmethod
     def from_blocks(cls, buf: Any, shape: Any, codebook: str = "nf4") -> NF4Tensor:
         """The inverse of `to_blocks` for a tensor of `shape`. `codebook="fp4"` reads FP4
         codes stored the same way by other tools."""
-        from .backends import cpu
-
+        host = backends.get("cpu")
         dims = formats.check_shape(shape)
         cb = formats.check_codebook(codebook)
         if formats.code_bits(cb) != 4:
             raise ValueError(f"the 36-byte block layout holds 4-bit codes, not {cb}")
         if isinstance(buf, (bytes, bytearray, memoryview)):
             buf = np.frombuffer(buf, dtype=np.uint8)
-        b = cpu.as_numpy(buf, "buf")
+        b = host.asarray(buf, "buf")
         if b.dtype.itemsize != 1 or b.dtype.kind not in "uib":
             raise ValueError(f"buf: expected a buffer of bytes (uint8), got dtype {b.dtype}")
         flat = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-        codes, absmax = cpu.BACKEND.from_blocks36(flat, math.prod(dims))
+        codes, absmax = host.from_blocks36(flat, math.prod(dims))
         packed = Packed(codes, absmax, None, dims, formats.BLOCK36_VALUES, cb)
         problem = scale_problem(packed, decoded_negatives=True)
         if problem is not None:

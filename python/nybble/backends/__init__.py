@@ -13,7 +13,7 @@ never ask which device they are on. docs/architecture.md shows the data flow.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from ..formats import Codebook, FloatDtype, KernelCodebook, NestedAbsmax, Output
 
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from .cpu import CpuBackend
 
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
@@ -167,9 +169,18 @@ def of(x: Any) -> Backend:
     return _cpu()
 
 
+@overload
+def get(device: Literal["cpu"]) -> CpuBackend: ...
+
+
+@overload
+def get(device: str) -> Backend: ...
+
+
 def get(device: str) -> Backend:
     """The backend by name ("cpu" or "cuda"); the GPU one needs CuPy (ImportError naming
-    the extra to install otherwise)."""
+    the extra to install otherwise). The CPU one also converts the host-only layouts
+    (`to_blocks36`, `from_blocks36`)."""
     if device == "cpu":
         return _cpu()
     if device == "cuda":

@@ -5,11 +5,11 @@ these functions."""
 
 from __future__ import annotations
 
+from .._checkpoint_io.layouts import LAYOUTS, Layout, QuantSpec, find_groups, load_group
+from .._checkpoint_io.source import Checkpoint
 from ._common import Report, parse_size, select_targets
-from ._layouts import LAYOUTS, Layout, QuantSpec, find_groups, load_group
 from ._output import DEFAULT_MAX_SHARD_SIZE
 from ._pipeline import Progress, ProgressBar
-from ._source import Checkpoint
 from .dequantize import dequantize_checkpoint
 from .inspect import ErrorStats, ErrorTotals, Inspection, TensorEntry, inspect_checkpoint
 from .merge import Adapter, merge_adapter

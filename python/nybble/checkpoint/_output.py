@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from .._checkpoint_io.source import INDEX_FILE, SINGLE_FILE, ExtraFile
 from .._files import new_directory_mode, remove_stale_temporaries, replace_file, write_temporary
 from ..errors import FormatError
 from ..safetensors_io import Entry, StreamWriter
-from ._source import INDEX_FILE, SINGLE_FILE, ExtraFile
 
 #: transformers' default max_shard_size ("5GB", decimal as huggingface_hub reads it).
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9

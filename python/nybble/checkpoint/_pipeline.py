@@ -19,11 +19,11 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 
+from .._checkpoint_io.source import CONFIG_FILE, Checkpoint
 from ..errors import FormatError
 from ..safetensors_io import Entry
 from ._common import Report, written_files
 from ._output import OutputDirectory, ShardedWriter, copy_files
-from ._source import CONFIG_FILE, Checkpoint
 
 #: Memory tasks in flight may hold at least (a larger task runs alone): room for a task being
 #: read, one computed and one written, so that the disk and the cores work at once.

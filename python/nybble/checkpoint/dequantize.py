@@ -10,16 +10,16 @@ from typing import Any
 import numpy as np
 
 from .. import formats
+from .._checkpoint_io import layouts
+from .._checkpoint_io.layouts import QuantGroup
+from .._checkpoint_io.source import Checkpoint
 from ..errors import FormatError
 from ..formats import OutputDtype
 from ..safetensors_io import Entry
 from ..tensor import NF4Tensor
-from . import _layouts
 from ._common import OUTPUT_CODES, Report, Timer, compute_backend, dtype_name
-from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
-from ._source import Checkpoint
 
 
 def dequantize_checkpoint(
@@ -45,7 +45,7 @@ def dequantize_checkpoint(
     shard_size = parse_size(max_shard_size)
     backend = compute_backend(device)
     with Checkpoint(source) as ckpt:
-        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        groups = layouts.find_groups(ckpt.names(), ckpt.path)
         if not groups:  # a copy would look like success and change nothing
             raise FormatError(
                 ckpt.path,
@@ -75,14 +75,14 @@ def dequantize_task(
     ckpt: Checkpoint, group: QuantGroup, dtype: OutputDtype | None, backend: Any
 ) -> Task:
     """Reads a quantized weight and writes it dense under its own name."""
-    header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    header = layouts.read_header(group, ckpt.read, ckpt.file_of)
     out_dtype = dtype or header.dtype
     entry = Entry(group.prefix, OUTPUT_CODES[out_dtype], header.shape)
     names = list(group.members)
     size = sum(ckpt.info(n).nbytes for n in names)
 
     def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
-        q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+        q = layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
         out = scratch.array(header.shape, formats.numpy_dtype(out_dtype))
         return {group.prefix: dense(q, out_dtype, backend, ckpt, group, out)}
 

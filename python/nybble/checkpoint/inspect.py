@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from .._checkpoint_io import layouts
+from .._checkpoint_io.layouts import QuantGroup
+from .._checkpoint_io.source import Checkpoint
 from ..errors import FormatError
 from ..tensor import NF4Tensor
-from . import _layouts
 from ._common import FLOAT_CODES, module_kind
-from ._layouts import QuantGroup
-from ._source import Checkpoint
 
 #: Elements compared at a time against a reference (bounds the float64 temporaries).
 CHUNK = 1 << 22
@@ -140,7 +140,7 @@ def inspect_checkpoint(
     summed up per format in `errors` and over all in `error_total`) one tensor at a time.
     FormatError for malformed files, as the other tools."""
     with Checkpoint(path) as ckpt:
-        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        groups = layouts.find_groups(ckpt.names(), ckpt.path)
         group_of = {n: g for g in groups.values() for n in g.members}
         result = Inspection(str(ckpt.path), sorted(str(f.path) for f in ckpt.files.values()))
         for name in ckpt.names():
@@ -178,7 +178,7 @@ def inspect_checkpoint(
 
 
 def _group_entry(ckpt: Checkpoint, group: QuantGroup) -> TensorEntry:
-    h = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    h = layouts.read_header(group, ckpt.read, ckpt.file_of)
     label = f"{h.codebook} bs{h.blocksize}{' dq' if h.double_quant else ''} ({group.layout})"
     return TensorEntry(
         group.prefix,
@@ -211,7 +211,7 @@ def _compare(
             return
         values: NF4Tensor | np.ndarray = ckpt.read(entry.name)
     else:
-        values = _layouts.load_group(group, ckpt.read, ckpt.file_of)
+        values = layouts.load_group(group, ckpt.read, ckpt.file_of)
     entry.error = error_stats(ref.read(entry.name), values, ref, entry.name)
     if entry.error is None:
         entry.note = "holds non-finite values"
@@ -268,9 +268,9 @@ def _chunks(values: NF4Tensor | np.ndarray, n: int) -> Iterator[tuple[int, int, 
             yield start, min(n, start + CHUNK), flat[start : start + CHUNK].astype(np.float32)
         return
     q = values
-    plain = _layouts.plain(q)
+    plain = layouts.plain(q)
     step = max(q.blocksize, CHUNK - CHUNK % q.blocksize)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        part = _layouts.element_range(plain, start, stop, (stop - start,))
+        part = layouts.element_range(plain, start, stop, (stop - start,))
         yield start, stop, part.dequantize("float32")

@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 from .. import formats, safetensors_io
+from .._checkpoint_io import layouts
+from .._checkpoint_io.layouts import QuantGroup
+from .._checkpoint_io.source import CONFIG_FILE, Checkpoint
 from ..errors import FormatError, NonFiniteError
 from ..formats import BFLOAT16, OutputDtype
 from ..lora.adapter import (
@@ -27,7 +30,6 @@ from ..lora.config import LoraConfig
 from ..lora.layers import LoraLinear, QLoraLinear
 from ..safetensors_io import Entry
 from ..tensor import NF4Tensor
-from . import _layouts
 from ._common import (
     FLOAT_CODES,
     OUTPUT_CODES,
@@ -39,10 +41,8 @@ from ._common import (
     module_kind,
     parse_size,
 )
-from ._layouts import QuantGroup
 from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart, without_quantization
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
-from ._source import CONFIG_FILE, Checkpoint
 from .dequantize import dense, dequantize_task
 
 #: Rows of a weight merged at a time: about this many bytes of float32 per tile.
@@ -104,7 +104,7 @@ def merge_adapter(
     backend = compute_backend(device)
     lora = Adapter.read(adapter)
     with Checkpoint(base) as ckpt:
-        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        groups = layouts.find_groups(ckpt.names(), ckpt.path)
         group_of = {name: g for g in groups.values() for name in g.members}
         missing = [
             m for m in lora.modules if f"{m}.weight" not in ckpt and f"{m}.weight" not in groups
@@ -222,7 +222,7 @@ def _extra_task(
     key, rows, _ = extra
     value = lora.extras[key]
     if group is not None:
-        header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+        header = layouts.read_header(group, ckpt.read, ckpt.file_of)
         shape, code = header.shape, OUTPUT_CODES[header.dtype]
     else:
         info = ckpt.info(name)
@@ -265,7 +265,7 @@ def _extra_task(
 
     def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
         if group is not None:
-            q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+            q = layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
             base = dense(q, formats.output_dtype(out_np), backend, ckpt, group)
         else:
             base = arrays[name]
@@ -320,7 +320,7 @@ def _merge_group_task(
     dtype: OutputDtype | None,
     backend: Any,
 ) -> Task:
-    header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    header = layouts.read_header(group, ckpt.read, ckpt.file_of)
     if len(header.shape) != 2:
         raise FormatError(
             ckpt.file_of(group.state_key),
@@ -336,7 +336,7 @@ def _merge_group_task(
     size = sum(ckpt.info(n).nbytes for n in names)
 
     def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
-        q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+        q = layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
         result = scratch.array(header.shape, formats.numpy_dtype(out_dtype))
         return {group.prefix: _merged(q, lora, module, cfg, backend, where, result)}
 
@@ -388,7 +388,7 @@ def _merged(
     out_f, in_f = (stored[1], stored[0]) if cfg.fan_in_fan_out else stored
     if isinstance(weight, NF4Tensor):
         # Tiles of rows need rows that start on block boundaries; otherwise all at once.
-        weight = _layouts.plain(weight) if in_f % weight.blocksize == 0 else weight.dequantize()
+        weight = layouts.plain(weight) if in_f % weight.blocksize == 0 else weight.dequantize()
     rows = max(cfg.r, TILE_BYTES // (4 * max(in_f, 1)))
     starts = list(range(0, out_f, rows))
     if len(starts) > 1 and out_f - starts[-1] < cfg.r:
@@ -430,7 +430,7 @@ def _tile_layer(
     weight: np.ndarray | NF4Tensor, r0: int, r1: int, in_f: int, cfg: LoraConfig, backend: Any
 ) -> LoraLinear | QLoraLinear:
     if isinstance(weight, NF4Tensor):
-        q = _layouts.element_range(weight, r0 * in_f, r1 * in_f, (r1 - r0, in_f))
+        q = layouts.element_range(weight, r0 * in_f, r1 * in_f, (r1 - r0, in_f))
         return QLoraLinear(q.cuda() if backend.device != "cpu" else q, cfg)
     w = weight[:, r0:r1] if cfg.fan_in_fan_out else weight[r0:r1]
     if backend.device != "cpu":

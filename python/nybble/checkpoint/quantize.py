@@ -11,11 +11,13 @@ from typing import Any
 import numpy as np
 
 from .. import formats
+from .._checkpoint_io import layouts
+from .._checkpoint_io.layouts import Layout, QuantGroup, QuantSpec
+from .._checkpoint_io.source import CONFIG_FILE, Checkpoint
 from ..errors import FormatError, NonFiniteError
 from ..formats import Codebook, OutputDtype
 from ..safetensors_io import Entry
 from ..tensor import quantize
-from . import _layouts
 from ._common import (
     FLOAT_CODES,
     Report,
@@ -27,10 +29,8 @@ from ._common import (
     parse_size,
     select_targets,
 )
-from ._layouts import Layout, QuantGroup, QuantSpec
 from ._output import DEFAULT_MAX_SHARD_SIZE, check_apart
 from ._pipeline import Progress, Scratch, Task, copy_task, write_checkpoint
-from ._source import CONFIG_FILE, Checkpoint
 
 #: quantization_config.quant_method of checkpoints this module can read or write.
 QUANT_METHODS = {"nybble": "nybble", "bnb": "bitsandbytes"}
@@ -63,15 +63,15 @@ def quantize_checkpoint(
     FormatError for a malformed input, naming the file and the tensor or field."""
     timer = Timer()
     check_apart(target, {"input": source})
-    if layout not in _layouts.LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(_layouts.LAYOUTS)}, got {layout!r}")
+    if layout not in layouts.LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(layouts.LAYOUTS)}, got {layout!r}")
     spec = QuantSpec(codebook, blocksize, double_quant).check()
     if layout == "bnb" and codebook not in ("nf4", "fp4"):
         raise ValueError(f"the bitsandbytes layout holds nf4 or fp4, not {codebook}")
     shard_size = parse_size(max_shard_size)
     backend = compute_backend(device)
     with Checkpoint(source) as ckpt:
-        groups = _layouts.find_groups(ckpt.names(), ckpt.path)
+        groups = layouts.find_groups(ckpt.names(), ckpt.path)
         config = _check_config(ckpt, layout)
         members = {name for g in groups.values() for name in g.members}
         infos = [ckpt.info(n) for n in ckpt.names() if n not in members]
@@ -140,7 +140,7 @@ def _plan(
             dtype: OutputDtype = (
                 "float32" if info.dtype == "F64" else formats.output_dtype(FLOAT_CODES[info.dtype])
             )
-            outputs = _layouts.entries(layout, name, info.shape, spec, dtype)
+            outputs = layouts.entries(layout, name, info.shape, spec, dtype)
             out_bytes = sum(e.nbytes for e in outputs)
             tasks.append(
                 Task(
@@ -171,7 +171,7 @@ def _quantize_work(
             raise FormatError(
                 ckpt.file_of(name), f"non-finite value (NaN or inf) at flat index {e.index}", name
             ) from None
-        return _layouts.export(q, layout, name)
+        return layouts.export(q, layout, name)
 
     return work
 
@@ -180,7 +180,7 @@ def _convert_task(ckpt: Checkpoint, group: QuantGroup, layout: Layout) -> Task:
     """A quantized weight carried over: read, checked, written in `layout` (lossless)."""
     names = list(group.members)
     size = sum(ckpt.info(n).nbytes for n in names)
-    header = _layouts.read_header(group, ckpt.read, ckpt.file_of)
+    header = layouts.read_header(group, ckpt.read, ckpt.file_of)
     spec = QuantSpec(header.codebook, header.blocksize, header.double_quant)
     if layout == "bnb" and spec.codebook not in ("nf4", "fp4"):
         raise FormatError(
@@ -188,11 +188,11 @@ def _convert_task(ckpt: Checkpoint, group: QuantGroup, layout: Layout) -> Task:
             f"{spec.codebook} has no bitsandbytes 4-bit layout",
             group.state_key,
         )
-    outputs = _layouts.entries(layout, group.prefix, header.shape, spec, header.dtype)
+    outputs = layouts.entries(layout, group.prefix, header.shape, spec, header.dtype)
 
     def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
-        q = _layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
-        return _layouts.export(q, layout, group.prefix)
+        q = layouts.load_group(group, arrays.__getitem__, ckpt.file_of)
+        return layouts.export(q, layout, group.prefix)
 
     return Task(names, outputs, work, 2 * size, size)
 
@@ -200,7 +200,7 @@ def _convert_task(ckpt: Checkpoint, group: QuantGroup, layout: Layout) -> Task:
 def nybble_quantization_config(spec: QuantSpec) -> dict[str, Any]:
     return {
         "quant_method": QUANT_METHODS["nybble"],
-        "format": _layouts.NYBBLE_FORMAT,
+        "format": layouts.NYBBLE_FORMAT,
         "codebook": spec.codebook,
         "blocksize": spec.blocksize,
         "double_quant": spec.double_quant,

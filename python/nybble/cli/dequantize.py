@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint import _cli
 from ..checkpoint.dequantize import dequantize_checkpoint
+from . import _checkpoint
 
 _DESCRIPTION = """\
 Dequantize a checkpoint: every quantized weight of IN (nybble's layout, or bitsandbytes'
@@ -20,7 +20,7 @@ examples:
   nybble dequantize ./model-nf4 ./model-bf16 --dtype bf16
   nybble dequantize ./model-nf4 ./model-f32 --dtype float32 --max-shard-size 2GB
 
-{_cli.EXIT_CODES}
+{_checkpoint.EXIT_CODES}
 """
 
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="dequantize a 4-bit checkpoint (nybble or bitsandbytes) to dense safetensors",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=_cli.Formatter,
+        formatter_class=_checkpoint.Formatter,
     )
     p.add_argument("input", metavar="IN", help="quantized checkpoint directory or file")
     p.add_argument("output", metavar="OUT", help="new checkpoint directory")
@@ -39,12 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="bf16, f16 or f32 (default: the dtype each weight was quantized from)",
     )
-    _cli.add_output_options(p)
+    _checkpoint.add_output_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = _cli.call(
+    report = _checkpoint.call(
         dequantize_checkpoint,
         args.input,
         args.output,
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         device=args.device,
         overwrite=args.force,
-        progress=_cli.progress("dequantize"),
+        progress=_checkpoint.progress("dequantize"),
     )
-    _cli.print_report(report, args.json)
+    _checkpoint.print_report(report, args.json)
     return 0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..checkpoint import _cli
 from ..checkpoint.inspect import ErrorTotals, Inspection, Totals, inspect_checkpoint
+from . import _checkpoint
 from ._common import format_table, print_json
 
 _DESCRIPTION = """\
@@ -26,7 +26,7 @@ examples:
   nybble inspect ./model-nf4 --reference ./model --summary
   nybble inspect ./model/model-00001-of-00004.safetensors --json
 
-{_cli.EXIT_CODES}
+{_checkpoint.EXIT_CODES}
 """
 
 
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="list a checkpoint's tensors, formats and sizes; quantization error vs a reference",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=_cli.Formatter,
+        formatter_class=_checkpoint.Formatter,
     )
     p.add_argument("path", metavar="PATH", help="checkpoint directory or .safetensors file")
     p.add_argument(
@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    result: Inspection = _cli.call(inspect_checkpoint, args.path, args.reference)
+    result: Inspection = _checkpoint.call(inspect_checkpoint, args.path, args.reference)
     if args.json:
         out = result.to_json()
         if args.summary:

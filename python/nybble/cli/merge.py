@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint import _cli
 from ..checkpoint.merge import merge_adapter
+from . import _checkpoint
 
 _DESCRIPTION = """\
 Merge a PEFT LoRA adapter (LoRA, rsLoRA, DoRA; rank and alpha patterns) into its base model:
@@ -23,7 +23,7 @@ examples:
   nybble merge ./Llama-3.1-8B ./my-adapter ./Llama-3.1-8B-merged
   nybble merge ./Llama-3.1-8B-nf4 ./my-qlora-adapter ./merged --dtype bf16
 
-{_cli.EXIT_CODES}
+{_checkpoint.EXIT_CODES}
 """
 
 
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="merge a PEFT LoRA/DoRA adapter into a dense or 4-bit checkpoint",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=_cli.Formatter,
+        formatter_class=_checkpoint.Formatter,
     )
     p.add_argument("base", metavar="BASE", help="base checkpoint directory or file")
     p.add_argument("adapter", metavar="ADAPTER", help="PEFT adapter directory")
@@ -43,12 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="bf16, f16 or f32 for merged (and dequantized) weights (default: the base's)",
     )
-    _cli.add_output_options(p)
+    _checkpoint.add_output_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = _cli.call(
+    report = _checkpoint.call(
         merge_adapter,
         args.base,
         args.adapter,
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         device=args.device,
         overwrite=args.force,
-        progress=_cli.progress("merge"),
+        progress=_checkpoint.progress("merge"),
     )
-    _cli.print_report(report, args.json)
+    _checkpoint.print_report(report, args.json)
     return 0

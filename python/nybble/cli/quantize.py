@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint import _cli
 from ..checkpoint.quantize import quantize_checkpoint
+from . import _checkpoint
 
 _DESCRIPTION = """\
 Quantize a Hugging Face checkpoint: IN is a directory with config.json and model.safetensors
@@ -30,7 +30,7 @@ examples:
   nybble quantize ./model ./model-q --targets q_proj v_proj "model.layers.*.mlp.*"
   nybble quantize ./model ./model-int8 --codebook int8 --blocksize 128
 
-{_cli.EXIT_CODES}
+{_checkpoint.EXIT_CODES}
 """
 
 
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="quantize a safetensors checkpoint (nybble's or bitsandbytes' 4-bit layout)",
         description=_DESCRIPTION,
         epilog=_EPILOG,
-        formatter_class=_cli.Formatter,
+        formatter_class=_checkpoint.Formatter,
     )
     p.add_argument("input", metavar="IN", help="checkpoint directory or .safetensors file")
     p.add_argument("output", metavar="OUT", help="new checkpoint directory")
@@ -75,12 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="--format bnb: bnb_4bit_compute_dtype (by default the checkpoint's dtype)",
     )
-    _cli.add_output_options(p)
+    _checkpoint.add_output_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = _cli.call(
+    report = _checkpoint.call(
         quantize_checkpoint,
         args.input,
         args.output,
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         device=args.device,
         overwrite=args.force,
-        progress=_cli.progress("quantize"),
+        progress=_checkpoint.progress("quantize"),
     )
-    _cli.print_report(report, args.json)
+    _checkpoint.print_report(report, args.json)
     return 0

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import backends, safetensors_io
+from .._checkpoint_io import Checkpoint, find_groups, load_group
 from .._files import (
     remove_stale_temporaries,
     replace_file,
@@ -457,8 +458,6 @@ def _short(value: Any) -> str:
 def _checkpoint_weights(path: Path, modules: list[str]) -> dict[str, Any]:
     """The frozen weights of `modules` from a checkpoint directory: dense arrays, or
     NF4Tensors where the checkpoint stores them 4-bit (nybble's or bitsandbytes' layout)."""
-    from ..checkpoint import Checkpoint, find_groups, load_group
-
     with Checkpoint(path) as ckpt:
         groups = find_groups(ckpt.names(), path)
         out: dict[str, Any] = {}

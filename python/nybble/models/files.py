@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint._layouts import QuantGroup, find_groups, load_group
-from ..checkpoint._source import Checkpoint
+from .._checkpoint_io.layouts import QuantGroup, find_groups, load_group
+from .._checkpoint_io.source import Checkpoint
 from ..errors import FormatError
 from ..tensor import NF4Tensor
 from . import gguf

@@ -72,7 +72,7 @@ class CudaBackend:
         return int(cp.get_default_memory_pool().total_bytes())
 
     def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
-        from ...cuda import capture
+        from .graph import capture
 
         return capture(work, *buffers)
 

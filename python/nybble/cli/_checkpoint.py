@@ -1,5 +1,5 @@
-"""What the checkpoint subcommands share (python/nybble/cli/{quantize,dequantize,merge,
-inspect}.py): the common options, turning every failure into one line, and the report."""
+"""What the checkpoint subcommands share (quantize.py, dequantize.py, merge.py, inspect.py of
+this package): the common options, turning every failure into one line, and the report."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..cli._common import CliError, print_json
-from ._common import Report
-from ._output import DEFAULT_MAX_SHARD_SIZE
-from ._pipeline import ProgressBar
+from ..checkpoint import DEFAULT_MAX_SHARD_SIZE, ProgressBar, Report
+from ._common import CliError, print_json
 
 EXIT_CODES = "exit codes: 0 done, 1 bad input (one line on stderr), 2 usage."
 
