@@ -42,11 +42,8 @@ class NF4Tensor:
 
         def array(a: Any, what: str) -> Any:
             # C-contiguous and aligned, as the core and the kernels read them (a copy only
-            # where needed; CuPy allocations are aligned, and views are aligned per launch)
-            found = backend.asarray(a, what)
-            if backend.device == "cpu":
-                return np.require(found, requirements=["C", "A"])
-            return backend.xp.ascontiguousarray(found)
+            # where needed)
+            return backend.contiguous(backend.asarray(a, what))
 
         codes = array(codes, "codes")
         if nested is not None and not isinstance(nested, NestedAbsmax):

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 import numpy as np
 
-from ..formats import Codebook, FloatDtype, KernelCodebook, NestedAbsmax, OutputDtype, Packed
+from ..formats import (
+    Codebook,
+    FloatDtype,
+    KernelCodebook,
+    NestedAbsmax,
+    OutputDtype,
+    Packed,
+    numpy_dtype,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -66,12 +74,21 @@ class Backend(Protocol):
         """`asarray`, checked to be of a float dtype nybble reads (FLOAT_DTYPES)."""
         ...
 
+    def contiguous(self, a: Any) -> Any:
+        """`a` C-contiguous and aligned, as the core and the kernels read arrays (itself when
+        it is; a copy otherwise)."""
+        ...
+
     def to_host(self, a: Any) -> np.ndarray: ...
 
     def from_host(self, a: np.ndarray) -> Any: ...
 
     def memory_in_use(self) -> int | None:
         """Bytes of device memory the process's arrays hold (None on the CPU)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work (nothing to wait for on the CPU)."""
         ...
 
     def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
@@ -202,6 +219,23 @@ def same(*arrays: Any) -> Backend:
     return found if found is not None else _cpu()
 
 
+# --- the rules that differ by device, stated once (callers never compare device names) ----
+
+
+def compute_dtype(backend: Backend, dtype: OutputDtype) -> np.dtype[Any]:
+    """The dtype a layer's products run in on `backend` for activations returned in `dtype`:
+    float32 on the CPU (every product in float32, rounded once at the end), `dtype` itself on
+    the GPU (cuBLAS sums in float32)."""
+    return np.dtype(np.float32) if backend.device == "cpu" else numpy_dtype(dtype)
+
+
+def checks_at_once(backend: Backend) -> bool:
+    """Whether `backend`'s finite checks raise where they record (the CPU, where a scan costs
+    no wait): a layer then scans its input itself, before any work; on the GPU it scans a
+    product of the input instead, a few values a row (FiniteCheck.record's `row_stride`)."""
+    return backend.device == "cpu"
+
+
 _found: dict[str, Backend] = {}
 
 
@@ -254,6 +288,8 @@ __all__ = [
     "Device",
     "FiniteCheck",
     "FloatDtype",
+    "checks_at_once",
+    "compute_dtype",
     "get",
     "of",
     "same",

@@ -85,6 +85,9 @@ class CpuBackend:
         float_dtype(a.dtype, what)
         return a
 
+    def contiguous(self, a: Any) -> np.ndarray:
+        return np.require(a, requirements=["C", "A"])
+
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(a)
 
@@ -94,6 +97,9 @@ class CpuBackend:
     def memory_in_use(self) -> int | None:
         """None: host memory is not the backend's to count."""
         return None
+
+    def synchronize(self) -> None:
+        """Nothing: the CPU's work is done when its call returns."""
 
     def capture(self, work: Callable[[], object], *buffers: Any) -> None:
         """None: the CPU replays nothing (callers run `work` each time)."""

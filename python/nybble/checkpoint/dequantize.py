@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import formats
+from .. import backends, formats
 from .._checkpoint_io import layouts
 from .._checkpoint_io.layouts import QuantGroup
 from .._checkpoint_io.source import Checkpoint
@@ -99,13 +99,12 @@ def dense(
 ) -> np.ndarray:
     """The dequantized weight on the host (in `out` when given); FormatError if it does not
     fit `dtype` (float16 overflow), naming the tensor."""
-    if backend.device != "cpu":
-        w = backend.to_host(q.cuda().dequantize(dtype))
-        if out is not None:
-            out[...] = w
-            w = out
-    else:
-        w = q.dequantize(dtype, out=out)
+    q = q._moved(backend)  # dequantized where the backend computes, returned on the host
+    into = out if out is not None and backends.of(out).device == backend.device else None
+    w = backend.to_host(q.dequantize(dtype, out=into))
+    if out is not None and w is not out:
+        out[...] = w
+        w = out
     if dtype == "float16" and not bool(np.isfinite(w).all()):
         raise FormatError(
             ckpt.file_of(group.state_key),

@@ -410,9 +410,7 @@ def _merged(
                 layer.set_lora_magnitude(parts[part][r0:r1])
         except NonFiniteError as e:
             raise FormatError(lora.weights_path, str(e), lora.key(module, part)) from None
-        tile = layer.merged_weight(dtype)
-        if backend.device != "cpu":
-            tile = backend.to_host(tile)
+        tile = backend.to_host(layer.merged_weight(dtype))
         if not bool(np.isfinite(tile).all()):
             raise FormatError(
                 lora.weights_path,
@@ -431,8 +429,6 @@ def _tile_layer(
 ) -> LoraLinear | QLoraLinear:
     if isinstance(weight, NF4Tensor):
         q = layouts.element_range(weight, r0 * in_f, r1 * in_f, (r1 - r0, in_f))
-        return QLoraLinear(q.cuda() if backend.device != "cpu" else q, cfg)
+        return QLoraLinear(q._moved(backend), cfg)
     w = weight[:, r0:r1] if cfg.fan_in_fan_out else weight[r0:r1]
-    if backend.device != "cpu":
-        w = backend.from_host(np.ascontiguousarray(w))
-    return LoraLinear(w, cfg)
+    return LoraLinear(backend.from_host(np.ascontiguousarray(w)), cfg)

@@ -162,9 +162,7 @@ def _quantize_work(
     ckpt: Checkpoint, name: str, spec: QuantSpec, layout: Layout, backend: Any
 ) -> Any:
     def work(arrays: Mapping[str, np.ndarray], scratch: Scratch) -> dict[str, np.ndarray]:
-        x = arrays[name]
-        if backend.device != "cpu":
-            x = backend.from_host(x)
+        x = backend.from_host(arrays[name])
         try:
             q = quantize(x, spec.blocksize, spec.double_quant, spec.codebook)
         except NonFiniteError as e:

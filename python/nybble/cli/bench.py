@@ -84,9 +84,7 @@ def run(args: argparse.Namespace) -> int:
     backend = backends.get(args.device)
     host = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
     x = backend.from_host(host)
-    sync: Callable[[], None] = (
-        (lambda: backend.xp.cuda.Device().synchronize()) if args.device == "cuda" else lambda: None
-    )
+    sync = backend.synchronize
     q = quantize(x, blocksize, codebook=args.codebook)
     out = backend.xp.empty((rows, cols), np.float32)
     n = rows * cols

@@ -357,7 +357,7 @@ class _LoraLayer:
             raise ValueError(f"{what} must have shape [..., {width}], got {tuple(a.shape)}")
         name = formats.dtype_name(a.dtype)
         out: OutputDtype = "float32" if name == "float64" else formats.output_dtype(name)
-        compute = np.float32 if backend.device == "cpu" else formats.numpy_dtype(out)
+        compute = backends.compute_dtype(backend, out)
         lead = tuple(a.shape[:-1])
         if a.ndim != 2:
             a = a.reshape(-1, width)
@@ -366,7 +366,7 @@ class _LoraLayer:
                 a = backend.xp.ascontiguousarray(a, dtype=compute)
         else:
             a = backend.xp.ascontiguousarray(a, dtype=compute)
-        if scan or backend.device == "cpu":
+        if scan or backends.checks_at_once(backend):
             self._finite.record(a, what)
         return a, out, lead
 
@@ -377,7 +377,7 @@ class _LoraLayer:
         r values a row, finds every row the full scan would, without another pass over `a`.
         The error then names the first element of the first such row. (The CPU scans `a`
         itself, at once, where the scan costs no wait.)"""
-        if self._base.backend.device != "cpu":
+        if not backends.checks_at_once(self._base.backend):
             self._finite.record(product, what, row_stride=int(a.shape[-1]))
 
     def _result(
@@ -656,7 +656,7 @@ class QLoraLinear(_LoraLayer):
         return self._to(backends.get("cpu"))
 
     def _to(self, to: Backend) -> QLoraLinear:
-        self.qweight = self.qweight.cuda() if to.device == "cuda" else self.qweight.cpu()
+        self.qweight = self.qweight._moved(to)
         self._base = QuantBase(self.qweight)
         self._move(to)
         return self

@@ -61,6 +61,9 @@ class CudaBackend:
         float_dtype(a.dtype, what)
         return a
 
+    def contiguous(self, a: Any) -> Any:
+        return cp.ascontiguousarray(a)  # CuPy allocations are aligned; views are, per launch
+
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(cp.asnumpy(a))
 
@@ -70,6 +73,9 @@ class CudaBackend:
     def memory_in_use(self) -> int | None:
         """Bytes CuPy's memory pool holds on the current device (what a run keeps)."""
         return int(cp.get_default_memory_pool().total_bytes())
+
+    def synchronize(self) -> None:
+        cp.cuda.Device().synchronize()
 
     def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
         from .graph import capture
