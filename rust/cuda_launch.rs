@@ -2,8 +2,9 @@
 //! links against CUDA). The Python package compiles and loads its kernels with CuPy and prepares
 //! each launch once; a launch made here costs the driver's call and little else, where the same
 //! call through ctypes spends 1-2.6 microseconds more of the host's time (H100 hosts; see
-//! docs/benchmarks.md, fifth round). The GIL is released around the driver's call, as CuPy's
-//! and ctypes' launches do, so a call never holds it while the driver blocks on a full queue.
+//! benchmarks/results/history-2026-11.md, "Where the GPU path stood (2026-11-27, fifth
+//! round)"). The GIL is released around the driver's call, as CuPy's and ctypes' launches do,
+//! so a call never holds it while the driver blocks on a full queue.
 //!
 //! The caller vouches for what the driver gets: a loaded function of its context, parameters
 //! matching the kernel's, a stream of the same context. Nothing here reads device memory.
