@@ -98,10 +98,13 @@ class Cpu(Device):
         self.backend = backends.get("cpu")
 
     def view(self, t: torch.Tensor) -> Any:
+        # Through DLPack rather than Tensor.numpy(), which marks the tensor's storage as not
+        # resizable for good: FSDP2 frees and re-allocates its gathered parameters' storage
+        # between steps (resize_), and the ops here see those parameters.
         t = t.detach()
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, seen as ml_dtypes'
-            return t.view(torch.int16).numpy().view(BFLOAT16)
-        return t.numpy()
+            return np.from_dlpack(t.view(torch.int16)).view(BFLOAT16)
+        return np.from_dlpack(t)
 
     def packed(self, w: Weight) -> Packed:
         nested = None

@@ -18,9 +18,19 @@ from ..errors import FormatError
 from ..formats import NESTED_BLOCKSIZE
 from ..tensor import NF4Tensor
 from . import _ops  # registers torch.ops.nybble
+from ._packed import Layout, NF4Weight
 
 #: The quant types bitsandbytes' 4-bit state may name; the layer holds NF4.
 QUANT_TYPE = "nf4"
+#: The dtypes the packed codes may be stored as (`quant_storage`): bytes, or the bytes viewed
+#: as a float dtype for engines that flatten all parameters of a unit into one dtype (FSDP1,
+#: DeepSpeed ZeRO-3), as bitsandbytes' `bnb_4bit_quant_storage`.
+QUANT_STORAGE_DTYPES = (torch.uint8, torch.float32, torch.float16, torch.bfloat16)
+
+
+class StorageDtypeError(ValueError):
+    """A layer's packed codes are not in the dtype they were stored as: something cast them
+    (their values are then no longer the codes), or they are not gathered whole."""
 
 
 def swap_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -48,7 +58,17 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
                quantization, with `absmax2` (int32 bits of float32 [ceil(nblocks/256)]) and
                the float `offset`
     `weight_dtype` is the dtype that was quantized (bitsandbytes' `dtype`, what `dequantize`
-    returns by default). `compute_dtype`, when set, is the dtype activations are cast to for
+    returns by default).
+
+    Two other forms of `weight` exist for multi-GPU engines (docs/multi-gpu.md):
+    - `quant_storage` (`set_quant_storage(dtype)`): the codes' bytes viewed as a float dtype,
+      `weight` [ceil(nbytes/itemsize), 1], for FSDP1 and DeepSpeed ZeRO-3, which flatten a
+      unit's parameters into one dtype. Module casts (`.to(dtype)`, `.half()`) leave the bytes
+      alone; a weight found in another dtype (an engine's mixed precision cast it) or of
+      another size (not gathered) is a `StorageDtypeError`, never a product of garbage.
+    - packed (`pack_()`): `weight` is an `NF4Weight` holding codes and scales together (the
+      absmax buffers are then None), which FSDP2's `fully_shard` shards and gathers as 4-bit
+      data. `compute_dtype`, when set, is the dtype activations are cast to for
     the product (the result is cast back), as bitsandbytes' layer does; by default the
     product runs in the activations' dtype.
 
@@ -84,6 +104,7 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         self.compute_dtype = compute_dtype
         self.quant_type = QUANT_TYPE
         self.weight_dtype: torch.dtype = dtype or torch.get_default_dtype()
+        self.quant_storage: torch.dtype = torch.uint8
         self.offset = 0.0
         n = self.in_features * self.out_features
         nblocks = -(-n // self.blocksize)
@@ -249,7 +270,9 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         """Installs codes (uint8, nybble's packing) and scales (float32, or uint8 nested codes
         with float32 absmax2) as this layer's, replacing the tensors (so any cached launch
         state keyed on the old addresses is never reused for new values)."""
-        self.weight = nn.Parameter(codes.reshape(-1, 1).contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(
+            _stored(codes.reshape(-1).contiguous(), self.quant_storage), requires_grad=False
+        )
         self.double_quant = absmax2 is not None
         if absmax2 is None:
             self.absmax = absmax.contiguous().view(torch.int32)
@@ -284,15 +307,64 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
     @property
     def scales(self) -> torch.Tensor:
         """The stored scales: float32 [nblocks], or the uint8 nested codes."""
-        return self.absmax if self.absmax2 is not None else self.absmax.view(torch.float32)
+        return self._arrays()[1]
+
+    @property
+    def nbytes_codes(self) -> int:
+        """Bytes of packed codes: ceil(out * in / 2)."""
+        return -(-(self.out_features * self.in_features) // 2)
+
+    def _arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes uint8 [nbytes], scales, nested scales float32 or None), checked."""
+        w = self.weight
+        if isinstance(w, NF4Weight):
+            return w.arrays()
+        if type(w).__name__ == "DTensor" or hasattr(w, "_local_tensor"):
+            raise ValueError(
+                "this Linear4bit's weight is sharded (a DTensor): FSDP gathers it only inside "
+                "the model's forward and backward"
+            )
+        codes = self._codes(w)
+        if self.absmax is None:
+            raise ValueError("this Linear4bit has no scales (a packed weight was removed?)")
+        if self.absmax2 is None:
+            return codes, self.absmax.view(torch.float32), None
+        return codes, self.absmax, self.absmax2.view(torch.float32)
+
+    def _codes(self, w: torch.Tensor) -> torch.Tensor:
+        """The stored codes as uint8 [nbytes], after checking that the weight is still in its
+        storage dtype and whole."""
+        if w.device.type == "meta":
+            raise ValueError("this Linear4bit is on the meta device: its weight is not loaded")
+        if w.dtype != self.quant_storage:
+            raise StorageDtypeError(
+                f"Linear4bit [{self.out_features}, {self.in_features}]: its packed NF4 codes are "
+                f"stored as {_dtype_name(self.quant_storage)}, but the weight is now "
+                f"{_dtype_name(w.dtype)}: something cast it (module.to(dtype) on the parameter "
+                "itself, or an engine's mixed precision: FSDP1's MixedPrecision(param_dtype=...), "
+                "DeepSpeed's fp16/bf16), so its values are no longer the codes. Store the codes "
+                "in the dtype the engine casts parameters to "
+                "(nybble.torch.set_quant_storage(model, dtype)) before wrapping the model."
+            )
+        size = _storage_numel(self.nbytes_codes, self.quant_storage)
+        if w.numel() != size:
+            raise StorageDtypeError(
+                f"Linear4bit [{self.out_features}, {self.in_features}]: the weight holds "
+                f"{w.numel()} {_dtype_name(w.dtype)} values, expected {size} (the packed codes "
+                "whole): it is a shard or a flattened view that was not gathered"
+            )
+        flat = w.reshape(-1)
+        if w.dtype != torch.uint8:
+            flat = flat.view(torch.uint8)
+        return flat[: self.nbytes_codes]
 
     def weight_args(self) -> tuple[Any, ...]:
         """The weight as the ops take it: (codes, absmax, absmax2, offset, shape, blocksize,
         codebook)."""
-        absmax2 = None if self.absmax2 is None else self.absmax2.view(torch.float32)
+        codes, scales, absmax2 = self._arrays()
         return (
-            self.weight.view(-1),
-            self.scales,
+            codes,
+            scales,
             absmax2,
             self.offset,
             [self.out_features, self.in_features],
@@ -322,10 +394,89 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
     def extra_repr(self) -> str:
         dq = ", double_quant=True" if self.double_quant else ""
         cd = "" if self.compute_dtype is None else f", compute_dtype={self.compute_dtype}"
+        st = "" if self.quant_storage == torch.uint8 else f", quant_storage={self.quant_storage}"
+        pk = ", packed" if isinstance(self.weight, NF4Weight) else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, nf4, blocksize={self.blocksize}{dq}{cd}"
+            f"bias={self.bias is not None}, nf4, blocksize={self.blocksize}{dq}{cd}{st}{pk}"
         )
+
+    # --- storage forms for multi-GPU engines (docs/multi-gpu.md) ------------------------------
+
+    def set_quant_storage(self, dtype: torch.dtype) -> Linear4bit:
+        """Stores the packed codes as `dtype` (uint8, or a float dtype whose values are the
+        codes' bytes, for FSDP1 / DeepSpeed ZeRO-3, which flatten a unit's parameters into one
+        dtype). The bytes are unchanged; a packed layer is unpacked first."""
+        if dtype not in QUANT_STORAGE_DTYPES:
+            names = "/".join(_dtype_name(d) for d in QUANT_STORAGE_DTYPES)
+            raise ValueError(f"quant_storage must be one of {names}, got {dtype}")
+        if isinstance(self.weight, NF4Weight):
+            self.unpack_()
+        if self.weight.device.type == "meta":
+            self.quant_storage = dtype
+            return self
+        codes = self._codes(self.weight)
+        self.quant_storage = dtype
+        self.weight = nn.Parameter(_stored(codes, dtype), requires_grad=False)
+        return self
+
+    def pack_(self) -> Linear4bit:
+        """Holds the weight as one `NF4Weight` parameter (codes and scales together: what
+        FSDP2's `fully_shard` shards and gathers as 4-bit data); the absmax buffers become
+        None. `unpack_()` undoes it."""
+        if isinstance(self.weight, NF4Weight):
+            return self
+        codes, scales, absmax2 = self._arrays()
+        layout = self.nf4_layout()
+        self.weight = nn.Parameter(
+            NF4Weight.from_arrays(layout, codes.clone(), scales.clone(), _clone(absmax2)),
+            requires_grad=False,
+        )
+        self._buffers["absmax"] = None
+        self._buffers["absmax2"] = None
+        self.quant_storage = torch.uint8
+        return self
+
+    def unpack_(self) -> Linear4bit:
+        """Back from `pack_()`: codes in `weight`, scales in the absmax buffers (the weight
+        must be whole: not while FSDP shards it)."""
+        w = self.weight
+        if not isinstance(w, NF4Weight):
+            return self
+        codes, scales, absmax2 = w.arrays()
+        self.quant_storage = torch.uint8
+        self._set_state(codes.clone(), scales.clone(), _clone(absmax2), self.offset)
+        return self
+
+    def nf4_layout(self) -> Layout:
+        """The weight's format, as `NF4Weight` records it."""
+        return Layout(
+            self.out_features,
+            self.in_features,
+            self.blocksize,
+            self.double_quant,
+            float(self.offset),
+            self.weight_dtype,
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Module casts and moves (`.to()`, `.cuda()`, `.half()`, ...) move a float-stored
+        weight's bytes without converting them (they are codes, not values)."""
+        w = self._parameters.get("weight")
+        if w is None or w.dtype == torch.uint8 or isinstance(w, NF4Weight) or w.is_meta:
+            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if w.dtype != self.quant_storage:  # already cast: leave it for the check to report
+            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        dtype = w.dtype
+        self._parameters["weight"] = nn.Parameter(w.detach().view(torch.uint8), requires_grad=False)
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            moved = self._parameters["weight"]
+            assert moved is not None
+            self._parameters["weight"] = nn.Parameter(
+                moved.detach().view(dtype), requires_grad=False
+            )
 
     # --- bitsandbytes' state dict -------------------------------------------------------------
 
@@ -338,14 +489,15 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
             "dtype": _dtype_name(self.weight_dtype),
             "shape": [self.out_features, self.in_features],
         }
-        device = self.weight.device
+        codes, scales, absmax2 = self._arrays()
+        device = codes.device
         state = {
-            prefix: swap_nibbles(self.weight.detach()),
-            f"{prefix}.absmax": self.scales.detach().clone(),
+            prefix: swap_nibbles(codes.detach()).reshape(-1, 1),
+            f"{prefix}.absmax": scales.detach().clone(),
             f"{prefix}.quant_map": torch.from_numpy(formats.values(QUANT_TYPE).copy()).to(device),
         }
-        if self.absmax2 is not None:
-            state[f"{prefix}.nested_absmax"] = self.absmax2.view(torch.float32).detach().clone()
+        if absmax2 is not None:
+            state[f"{prefix}.nested_absmax"] = absmax2.detach().clone()
             state[f"{prefix}.nested_quant_map"] = torch.from_numpy(
                 formats.values("dynamic8").copy()
             ).to(device)
@@ -383,8 +535,11 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         return self
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        if self.weight.device.type == "meta":  # before loading (transformers): a placeholder
-            destination[prefix + "weight"] = self.weight if keep_vars else self.weight.detach()
+        w = self.weight
+        whole = not isinstance(w, NF4Weight) or w.is_whole()
+        if w.device.type == "meta" or hasattr(w, "_local_tensor") or not whole:
+            # Before loading (transformers' placeholder), or one rank's shard (FSDP): as is.
+            destination[prefix + "weight"] = w if keep_vars else w.detach()
         else:
             for key, value in self.bnb_state(prefix + "weight").items():
                 destination[key] = value
@@ -453,6 +608,28 @@ def _bnb_key(suffix: str) -> bool:
     } or suffix.startswith("quant_state.bitsandbytes__")
 
 
+def _storage_numel(nbytes: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` holding `nbytes` bytes (the last one padded with zero bytes)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return -(-nbytes // size)
+
+
+def _stored(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 codes [nbytes] as the weight [k, 1] in the storage dtype (bytes padded with zeros
+    to a whole number of elements)."""
+    if dtype == torch.uint8:
+        return codes.reshape(-1, 1)
+    size = torch.empty((), dtype=dtype).element_size()
+    pad = -codes.numel() % size
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    return codes.reshape(-1, size).view(dtype).reshape(-1, 1).contiguous()
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
 def _backend_double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Double quantization of float32 scales (nybble's backend: the Rust core; on CUDA the
     scales are read back to the host, as nybble does, which waits for the device)."""
@@ -465,4 +642,10 @@ def _backend_double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.
     return codes, absmax2, float(nested.offset)
 
 
-__all__ = ["QUANT_TYPE", "Linear4bit", "swap_nibbles"]
+__all__ = [
+    "QUANT_STORAGE_DTYPES",
+    "QUANT_TYPE",
+    "Linear4bit",
+    "StorageDtypeError",
+    "swap_nibbles",
+]
