@@ -313,6 +313,20 @@ def test_fsdp_mixed_precision_computes_lora_in_bfloat16(runs: Any, reference: An
         assert info["losses"][-1] < info["losses"][0]
 
 
+def test_fsdp_on_one_rank_trains_like_one_process(checkpoint: Path, reference: Any) -> None:
+    """A one-rank mesh (FSDP copies only the first all-gather input there)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = peft_model(loaded(checkpoint, dq=True))
+        nd.shard_model(model)
+        losses = train(model, batches(), None)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(losses, reference[True][0], rtol=1e-5, atol=1e-5)
+
+
 # --- DDP, FSDP1 -----------------------------------------------------------------------------------
 
 

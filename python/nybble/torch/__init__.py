@@ -10,6 +10,10 @@
   model's bitsandbytes layers in place.
 - `register_lora(lora_config)`: PEFT's LoRA on nybble layers runs nybble's fused QLoRA
   forward and backward (`LoraLinear4bit`).
+- `nybble.torch.distributed` (docs/multi-gpu.md): `shard_model` (FSDP2, the 4-bit weights
+  sharded and gathered as 4-bit data through `NF4Weight`), `data_parallel` (DDP),
+  `load_sharded` (each rank quantizes its own rows), `save_adapter` (PEFT's files from rank
+  0), `set_quant_storage` (codes stored as a float dtype for FSDP1 / DeepSpeed ZeRO-3).
 
 Importing this module registers the operators, and the quantization method with
 transformers where transformers is installed.
@@ -23,16 +27,24 @@ import importlib.util
 from typing import Any
 
 from . import _ops
-from .linear import Linear4bit
+from ._packed import NF4Weight
+from .linear import Linear4bit, StorageDtypeError
 
 __all__ = [
     "Linear4bit",
     "LoraLinear4bit",
+    "NF4Weight",
     "NybbleConfig",
     "NybbleQuantizer",
+    "StorageDtypeError",
+    "data_parallel",
+    "load_sharded",
     "pretrained_config",
     "register_lora",
     "replace_bnb",
+    "save_adapter",
+    "set_quant_storage",
+    "shard_model",
 ]
 
 #: Names defined by the integrations, by module (loaded on first use).
@@ -43,6 +55,11 @@ _LAZY = {
     "replace_bnb": "_transformers",
     "LoraLinear4bit": "_peft",
     "register_lora": "_peft",
+    "shard_model": "distributed",
+    "data_parallel": "distributed",
+    "load_sharded": "distributed",
+    "save_adapter": "distributed",
+    "set_quant_storage": "distributed",
 }
 
 #: The transformers integration uses transformers 5's weight-loading API.

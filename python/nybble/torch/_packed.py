@@ -355,6 +355,10 @@ class NF4Weight(torch.Tensor):
                 f"NF4Weight: rank {rank} of {world} holds rows [{box.held[0]}, {box.held[1]}), "
                 f"expected [{want[0]}, {want[1]}) (FSDP shards rows evenly)"
             )
+        if world == 1:
+            # FSDP copies only the first input of a one-rank mesh: the codes travel, the
+            # scales (this rank's, which are the whole weight's) ride along in the metadata.
+            return (_array(box, "codes"),), (L, 1, (box.arrays["absmax"], box.arrays["absmax2"]))
         inputs = []
         for kind in L.kinds():
             t = box.arrays[kind]
@@ -363,7 +367,7 @@ class NF4Weight(torch.Tensor):
             if t.numel() < longest:
                 t = torch.cat([t, t.new_zeros(longest - t.numel())])
             inputs.append(t)
-        return tuple(inputs), (L, world)
+        return tuple(inputs), (L, world, None)
 
     def fsdp_post_all_gather(
         self,
@@ -373,9 +377,15 @@ class NF4Weight(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        L, world = metadata
+        L, world, local = metadata
         arrays: dict[str, torch.Tensor | None] = {k: None for k in KINDS}
         fresh: list[torch.Tensor] = []
+        if world == 1:
+            if out is not None:
+                return None
+            arrays["codes"] = all_gather_outputs[0].view(-1)
+            arrays["absmax"], arrays["absmax2"] = local
+            return NF4Weight(_Box(L, (0, L.rows), (0, L.rows), arrays)), ()
         target = out._box.arrays if isinstance(out, NF4Weight) else None
         for kind, output in zip(L.kinds(), all_gather_outputs, strict=True):
             output = output.view(-1)
@@ -399,6 +409,12 @@ class NF4Weight(torch.Tensor):
             return None
         box = _Box(L, (0, L.rows), (0, L.rows), arrays)
         return NF4Weight(box), tuple(fresh)
+
+
+def _array(box: _Box, kind: str) -> torch.Tensor:
+    t = box.arrays[kind]
+    assert t is not None
+    return t
 
 
 def _rows_per_rank(layout: Layout, world: int) -> int:

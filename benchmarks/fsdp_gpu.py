@@ -1,0 +1,437 @@
+"""Sharded QLoRA on several GPUs of one host: nybble under FSDP2 against PEFT + bitsandbytes
+under FSDP (issue 43; docs/multi-gpu.md), per-GPU peak memory and tokens per second at 1, 2
+and 4 GPUs, each configuration a fresh `torchrun`.
+
+    python3 benchmarks/fsdp_gpu.py [--gpus 1,2,4] [--sides nybble,bnb] [--layers 8]
+        [--seq 2048] [--steps 4] [--offload] [--work-dir DIR] [--out-dir DIR]
+
+Model: the Llama-3.1-70B shape (hidden 8192, intermediate 28672, 64 heads, 8 KV heads,
+head_dim 128, vocabulary 128256, llama3 rope) with `--layers` decoder layers (default 8: a
+bf16 checkpoint of all 80 layers is 141 GB, more than the GPU hosts' disks), random weights
+(std 0.02) written once as a sharded bf16 safetensors folder that every run loads.
+Training step per GPU: batch 1 of `--seq` tokens (each rank its own), LoRA r=16 alpha 32 on
+all seven projections, no dropout, NF4 with double quantization, bf16 compute, gradient
+checkpointing (use_reentrant=False), torch AdamW, the loss from `labels`; the median of
+`--steps` steps after two warm-ups (a step's time is the slowest rank's), tokens/s =
+GPUs x seq / step. Memory: each rank's `max_memory_reserved` / `max_memory_allocated` over one
+steady step, and NVML's figure for the process where pynvml is present; the record keeps
+every rank's and the largest.
+
+- nybble: `nybble.torch.distributed.load_sharded` (each rank quantizes only its rows of each
+  weight), PEFT with `register_lora`, `shard_model` (FSDP2's `fully_shard` per decoder layer
+  and the root; the 4-bit weights all-gathered as 4-bit data), `MixedPrecisionPolicy(
+  param_dtype=bf16, reduce_dtype=fp32)` for the float32 LoRA parameters; `--offload` adds
+  FSDP2's CPUOffloadPolicy.
+- bnb: the published FSDP-QLoRA recipe: `BitsAndBytesConfig(load_in_4bit, nf4, double
+  quant, bnb_4bit_compute_dtype=bf16, bnb_4bit_quant_storage=bf16)` loaded by every rank,
+  PEFT's LoRA (bf16, the storage dtype), FSDP1 (`FullyShardedDataParallel`: one unit per
+  decoder layer, `use_orig_params=True`, `MixedPrecision(bf16)`; bitsandbytes' 4-bit
+  weights lose their quantization state under FSDP2); `--offload` adds FSDP1's CPUOffload.
+
+`--cpu` runs the same code on the CPU with gloo (`--shape tiny` for a model that fits; the
+nybble side only; timings and memory meaningless): a smoke test of the script. Writes
+fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+R = 16
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-70b": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_checkpoint(shape: str, layers: int, directory: Path) -> None:
+    """Random bf16 weights (std 0.02, norms 1), one safetensors file per decoder layer and
+    an index, written a layer at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    fields = dict(SHAPES[shape], num_hidden_layers=layers, torch_dtype="bfloat16")
+    h, i, d = fields["hidden_size"], fields["intermediate_size"], fields["head_dim"]
+    heads, kv, vocab = (
+        fields["num_attention_heads"],
+        fields["num_key_value_heads"],
+        fields["vocab_size"],
+    )
+    g = torch.Generator().manual_seed(0)
+
+    def normal(*size: int) -> Any:
+        return (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones(n: int) -> Any:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+
+    def save(name: str, tensors: dict[str, Any]) -> None:
+        save_file(tensors, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    save("embed.safetensors", {"model.embed_tokens.weight": normal(vocab, h)})
+    shapes = {
+        "self_attn.q_proj": (heads * d, h),
+        "self_attn.k_proj": (kv * d, h),
+        "self_attn.v_proj": (kv * d, h),
+        "self_attn.o_proj": (h, heads * d),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        tensors = {
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
+        }
+        tensors.update({p + k + ".weight": normal(*s) for k, s in shapes.items()})
+        save(f"layer-{n:03d}.safetensors", tensors)
+    save("head.safetensors", {"model.norm.weight": ones(h), "lm_head.weight": normal(vocab, h)})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (directory / "config.json").write_text(json.dumps(fields, indent=2))
+
+
+# --- one configuration, under torchrun ------------------------------------------------------------
+
+
+def _nvml_bytes(index: int) -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid():
+                return int(p.usedGpuMemory)
+    except Exception:  # NVML is optional: the figure is then absent
+        return None
+    return None
+
+
+def _lora(side: str) -> Any:
+    from peft import LoraConfig
+
+    lora = LoraConfig(
+        r=R, lora_alpha=2 * R, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    if side == "nybble":
+        import nybble.torch
+
+        lora = nybble.torch.register_lora(lora)
+    return lora
+
+
+def build_nybble(folder: Path, device: Any, offload: bool) -> Any:
+    import torch
+    from peft import get_peft_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import nybble.torch
+    from nybble.torch import distributed as nd
+
+    mesh = nd.default_mesh()
+    compute = torch.bfloat16 if device.type == "cuda" else None
+    model = nd.load_sharded(
+        folder,
+        mesh,
+        quantization_config=nybble.torch.NybbleConfig(double_quant=True, compute_dtype=compute),
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        device=device,
+    )
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, _lora("nybble"))
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32
+    )
+    nd.shard_model(model, mesh, mp_policy=mp, offload=offload)
+    return model
+
+
+def build_bnb(folder: Path, device: Any, offload: bool) -> Any:
+    import functools
+
+    import torch
+    from peft import get_peft_model
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), quantization_config=bnb, dtype=torch.bfloat16, device_map={"": device}
+    )
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, _lora("bnb"))
+    layer = type(model.base_model.model.model.layers[0])
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=policy,
+        use_orig_params=True,
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+        ),
+        cpu_offload=CPUOffload(offload_params=offload),
+        device_id=device,
+        limit_all_gathers=True,
+    )
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cpu = args.cpu
+    dist.init_process_group("gloo" if cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if cpu:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    rec: dict[str, Any] = {"side": args.worker, "gpus": world}
+    try:
+        t0 = time.perf_counter()
+        build = build_nybble if args.worker == "nybble" else build_bnb
+        model = build(args.folder, device, args.offload)
+        rec["load_s"] = round(time.perf_counter() - t0, 1)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        vocab = SHAPES[args.shape]["vocab_size"]
+        generator = torch.Generator().manual_seed(1 + rank)
+
+        def sync() -> None:
+            if not cpu:
+                torch.cuda.synchronize()
+
+        def step() -> float:
+            ids = torch.randint(0, vocab, (1, args.seq), generator=generator).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        for _ in range(2):
+            step()
+        times, losses = [], []
+        for _ in range(args.steps):
+            sync()
+            dist.barrier()
+            t = time.perf_counter()
+            losses.append(step())
+            sync()
+            elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+        memory: dict[str, Any] = {}
+        if not cpu:
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            sync()
+            memory = {
+                "peak_reserved": torch.cuda.max_memory_reserved(),
+                "peak_allocated": torch.cuda.max_memory_allocated(),
+                "nvml": _nvml_bytes(local),
+            }
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, memory)
+        step_s = statistics.median(times)
+        rec.update(
+            step_ms=round(step_s * 1e3, 1),
+            tokens_per_s=round(world * args.seq / step_s, 1),
+            tokens_per_s_per_gpu=round(args.seq / step_s, 1),
+            losses=[round(v, 4) for v in losses],
+            trainable=sum(p.numel() for p in params),
+            per_rank=gathered,
+        )
+        if not cpu:
+            rec["peak_reserved_max"] = max(m["peak_reserved"] for m in gathered)
+            rec["peak_allocated_max"] = max(m["peak_allocated"] for m in gathered)
+            rec["device"] = torch.cuda.get_device_name()
+        rec["torch"] = torch.__version__
+    except Exception as e:  # recorded; the driver goes on with the other runs
+        import traceback
+
+        rec["error"] = f"rank {rank}: {type(e).__name__}: {e}"
+        traceback.print_exc()
+    if rank == 0:
+        print("RESULT " + json.dumps(rec), flush=True)
+    dist.destroy_process_group()
+
+
+# --- the driver: never touches the GPU ---------------------------------------------------------
+
+
+def run(
+    side: str, gpus: int, folder: Path, args: argparse.Namespace, left: float
+) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={gpus}", __file__, "--worker", side, "--folder", str(folder)]
+    cmd += ["--seq", str(args.seq), "--steps", str(args.steps), "--shape", args.shape]
+    cmd += ["--offload"] if args.offload else []
+    cmd += ["--cpu"] if args.cpu else []
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 30.0))
+    except subprocess.TimeoutExpired:
+        return {"side": side, "gpus": gpus, "error": "timed out"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT ") :]))
+    return {"side": side, "gpus": gpus, "error": f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"}
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """nybble against bnb at each GPU count, and each side's scaling from its fewest GPUs."""
+    by = {(r["side"], r["gpus"]): r for r in records if "error" not in r}
+    out: dict[str, Any] = {}
+    for gpus in sorted({r["gpus"] for r in records}):
+        ours, theirs = by.get(("nybble", gpus)), by.get(("bnb", gpus))
+        if ours and theirs:
+            row: dict[str, Any] = {
+                "tokens_per_s_vs_bnb": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2)
+            }
+            if ours.get("peak_reserved_max") and theirs.get("peak_reserved_max"):
+                row["memory_vs_bnb"] = round(
+                    ours["peak_reserved_max"] / theirs["peak_reserved_max"], 3
+                )
+            out[f"{gpus}_gpus"] = row
+    for side in ("nybble", "bnb"):
+        runs = sorted((g, r) for (s, g), r in by.items() if s == side)
+        if len(runs) > 1:
+            base_g, base = runs[0]
+            out[f"{side}_scaling_from_{base_g}"] = {
+                str(g): round(r["tokens_per_s"] / base["tokens_per_s"], 2) for g, r in runs[1:]
+            }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Needs CUDA GPUs with torch, transformers, peft, CuPy and nybble[torch]; "
+        "bitsandbytes for the bnb side.",
+    )
+    parser.add_argument("--gpus", default="1,2,4", help="GPU counts, comma-separated: %(default)s")
+    parser.add_argument("--sides", default="nybble,bnb", help="comma-separated: %(default)s")
+    parser.add_argument("--shape", default="llama-3.1-70b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per GPU per step")
+    parser.add_argument("--steps", type=int, default=4, help="timed training steps")
+    parser.add_argument("--offload", action="store_true", help="FSDP's CPU offload on both sides")
+    parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the checkpoint goes")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--deadline-s", type=float, default=3000.0, help="for all the runs")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    sides = [s for s in args.sides.split(",") if s]
+    if set(sides) - {"nybble", "bnb"}:
+        parser.error("--sides takes nybble and bnb")
+    if args.cpu and "bnb" in sides:
+        parser.error("--cpu runs the nybble side only (bitsandbytes' FSDP recipe needs CUDA)")
+    counts = [int(g) for g in args.gpus.split(",") if g]
+    deadline = time.monotonic() + args.deadline_s
+    records = []
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as d:
+        folder = Path(d) / f"{args.shape}-{args.layers}"
+        t0 = time.perf_counter()
+        write_checkpoint(args.shape, args.layers, folder)
+        print(f"checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
+        for gpus in counts:
+            for side in sides:
+                rec = run(side, gpus, folder, args, deadline - time.monotonic())
+                rec.setdefault("side", side)
+                rec.setdefault("gpus", gpus)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+    config = dict(
+        shape=args.shape,
+        layers=args.layers,
+        seq=args.seq,
+        batch_per_gpu=1,
+        r=R,
+        alpha=2 * R,
+        targets="all-linear",
+        double_quant=True,
+        compute_dtype="bfloat16",
+        gradient_checkpointing=True,
+        offload=args.offload,
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / ("fsdp_cpu_smoke.json" if args.cpu else "fsdp_gpu.json")
+    result = {"config": config, "records": records, "summary": summary(records)}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
