@@ -29,13 +29,18 @@ every rank's and the largest.
   weights lose their quantization state under FSDP2); `--offload` adds FSDP1's CPUOffload.
 
 `--cpu` runs the same code on the CPU with gloo (`--shape tiny` for a model that fits; the
-nybble side only; timings and memory meaningless): a smoke test of the script. Writes
-fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu).
+nybble side only; timings and memory meaningless): a smoke test of the script.
+
+Writes fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu),
+merged with the records of an earlier run of the same configuration there (a record per side
+and GPU count), so that the GPU counts can be run one command at a time. With `--work-dir`
+the checkpoint is kept there and reused by the next command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -383,9 +388,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed training steps")
     parser.add_argument("--offload", action="store_true", help="FSDP's CPU offload on both sides")
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="where the checkpoint goes")
+    parser.add_argument(
+        "--work-dir", type=Path, default=None, help="keep (and reuse) the checkpoint here"
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--deadline-s", type=float, default=3000.0, help="for all the runs")
+    parser.add_argument("--deadline-s", type=float, default=560.0, help="for all the runs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -400,11 +407,16 @@ def main() -> None:
     counts = [int(g) for g in args.gpus.split(",") if g]
     deadline = time.monotonic() + args.deadline_s
     records = []
-    with tempfile.TemporaryDirectory(dir=args.work_dir) as d:
-        folder = Path(d) / f"{args.shape}-{args.layers}"
-        t0 = time.perf_counter()
-        write_checkpoint(args.shape, args.layers, folder)
-        print(f"checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            base = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        else:
+            base = args.work_dir
+        folder = base / f"{args.shape}-{args.layers}"
+        if not (folder / "config.json").is_file():  # written last: the checkpoint is whole
+            t0 = time.perf_counter()
+            write_checkpoint(args.shape, args.layers, folder)
+            print(f"checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
         for gpus in counts:
             for side in sides:
                 rec = run(side, gpus, folder, args, deadline - time.monotonic())
@@ -424,10 +436,18 @@ def main() -> None:
         compute_dtype="bfloat16",
         gradient_checkpointing=True,
         offload=args.offload,
-        command=" ".join([Path(sys.executable).name, *sys.argv]),
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / ("fsdp_cpu_smoke.json" if args.cpu else "fsdp_gpu.json")
+    command = " ".join(["python3", *sys.argv])
+    for rec in records:
+        rec["command"] = command
+    if out.is_file():  # an earlier command's records of the same configuration stay
+        earlier = json.loads(out.read_text())
+        if earlier.get("config") == config:
+            done = {(r["side"], r["gpus"]) for r in records}
+            kept = [r for r in earlier.get("records", []) if (r["side"], r["gpus"]) not in done]
+            records = sorted(kept + records, key=lambda r: (r["gpus"], r["side"]))
     result = {"config": config, "records": records, "summary": summary(records)}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
