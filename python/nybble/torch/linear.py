@@ -334,8 +334,12 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
     def _codes(self, w: torch.Tensor) -> torch.Tensor:
         """The stored codes as uint8 [nbytes], after checking that the weight is still in its
         storage dtype and whole."""
-        if w.device.type == "meta":
-            raise ValueError("this Linear4bit is on the meta device: its weight is not loaded")
+        shape = (self.out_features, self.in_features)
+        if w.is_meta and w.is_floating_point() and tuple(w.shape) == shape:
+            raise ValueError(
+                "this Linear4bit's weight is not loaded yet (the meta-device placeholder of "
+                "its float weight)"
+            )
         if w.dtype != self.quant_storage:
             raise StorageDtypeError(
                 f"Linear4bit [{self.out_features}, {self.in_features}]: its packed NF4 codes are "
