@@ -16,7 +16,8 @@ step's reserved peak plus that outside part.
 
 With `--trace`, every allocation and free of the whole run (setup included) is written to
 `traces/<name>.json.gz`: [op, pointer, bytes, step, site] with the site the innermost nybble
-source line that asked for it, to compare with the estimator's timeline event by event.
+source line that asked for it, to compare with the estimator's recording of the trainer
+event by event.
 
 Writes OUT/results.jsonl (one record per configuration, appended as each ends) and, at the
 end, OUT/comparison.jsonl: each run against its estimate (`--compare RESULTS` makes that
@@ -73,9 +74,10 @@ LLAMA32_1B = dict(
 )
 QWEN3_17B = dict(QWEN3_06B, hidden_size=2048, intermediate_size=6144)
 
-#: The configurations, in two sets. "dev": the runs whose allocation traces the estimator's
-#: timeline was written against. "holdout": runs measured only after it was written, to
-#: validate it (docs/estimator.md).
+#: The configurations, in two sets. "dev": the runs whose allocation traces the estimator was
+#: first written against (it now records the trainer's own allocations, which the traces check
+#: event by event). "holdout": runs measured only after it was written, to validate it
+#: (docs/estimator.md).
 CONFIGS: dict[str, list[dict[str, Any]]] = {
     "dev": [
         dict(name="qwen3-0.6b-2048-gc", model=QWEN3_06B, batch=1, seq=2048, gc=True),
@@ -124,13 +126,12 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
 }
 
 
-def estimate(cfg: dict[str, Any]) -> Any:
-    """`estimate_memory(..., framework="nybble")` for a configuration (runs anywhere)."""
-    from nybble.memory import estimate_memory
+def settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`estimate_memory`'s arguments for a configuration (its model first)."""
     from nybble.train import TransformerConfig
 
-    return estimate_memory(
-        TransformerConfig(**cfg["model"]).to_hf(),
+    return dict(
+        model=TransformerConfig(**cfg["model"]).to_hf(),
         quant=cfg.get("quant", "nf4") or "bfloat16",
         double_quant=bool(cfg.get("double_quant", False)),
         lora_r=int(cfg.get("r", 16)),
@@ -140,8 +141,15 @@ def estimate(cfg: dict[str, Any]) -> Any:
         seq_len=cfg["seq"],
         grad_checkpointing=cfg["gc"],
         compute_dtype=cfg.get("compute_dtype", "bfloat16"),
-        framework="nybble",
     )
+
+
+def estimate(cfg: dict[str, Any]) -> Any:
+    """`estimate_memory(..., framework="nybble")` for a configuration (runs anywhere)."""
+    from nybble.memory import estimate_memory
+
+    args = settings(cfg)
+    return estimate_memory(args.pop("model"), framework="nybble", **args)
 
 
 def compare(results: Path) -> list[dict[str, Any]]:

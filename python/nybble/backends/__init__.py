@@ -5,6 +5,9 @@ arrays of that device:
 - `cpu`: numpy arrays, the work done by the Rust core (`nybble._core`);
 - `cuda`: CuPy arrays (torch CUDA tensors and other `__cuda_array_interface__` /
   `__dlpack__` arrays are viewed without a copy), the work done by kernels/nf4.cu and cuBLAS.
+- `record`: no device and no math: arrays that record their allocations and frees as the
+  GPU would make them (`record.RecordingBackend`, which `get("cuda")` is inside
+  `record.recording`), for `nybble.memory`'s estimate of the trainer's GPU memory.
 
 `NF4Tensor`, the layers, the optimizer and the trainer call the backend of their arrays and
 never ask which device they are on. docs/architecture.md shows the data flow.
@@ -13,6 +16,7 @@ never ask which device they are on. docs/architecture.md shows the data flow.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 import numpy as np
@@ -105,6 +109,12 @@ class Backend(Protocol):
         """A new check of this device (see FiniteCheck)."""
         ...
 
+    def random(self, seed: int) -> np.random.Generator:
+        """A seeded generator of the values a layer starts from, drawn on the host and moved
+        with `from_host` (numpy's on the CPU and the GPU, so both start alike; the recording
+        backend's draws shapes only)."""
+        ...
+
     # --- the codec -----------------------------------------------------------------------
 
     def quantize(
@@ -183,7 +193,8 @@ def of(x: Any) -> Backend:
         return _cpu()
     if _on_cuda(x):
         return _cuda()
-    return _cpu()
+    recorded: Backend | None = getattr(x, "nybble_backend", None)  # the recording's arrays
+    return recorded if recorded is not None else _cpu()
 
 
 @overload
@@ -201,8 +212,15 @@ def get(device: str) -> Backend:
     if device == "cpu":
         return _cpu()
     if device == "cuda":
-        return _cuda()
+        override = _gpu_override.get()
+        return override if override is not None else _cuda()
     raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+
+
+#: What `get("cuda")` returns instead of the GPU's backend: set inside `record.recording`,
+#: where code asking for the GPU gets the recording of a GPU run (nybble.memory's estimate of
+#: the trainer's memory).
+_gpu_override: ContextVar[Backend | None] = ContextVar("nybble_gpu_override", default=None)
 
 
 def same(*arrays: Any) -> Backend:

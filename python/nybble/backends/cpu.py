@@ -114,6 +114,9 @@ class CpuBackend:
     def finite_check(self) -> ImmediateFiniteCheck:
         return ImmediateFiniteCheck()
 
+    def random(self, seed: int) -> np.random.Generator:
+        return np.random.default_rng(seed)
+
     # --- the codec ---------------------------------------------------------------------
 
     def quantize(

@@ -164,7 +164,7 @@ class _LoraLayer:
         self.scaling = config.scaling
         self.name = name
         backend = self._base.backend
-        rng = np.random.default_rng(_seed(config, name))
+        rng = backend.random(_seed(config, name))
         if config.init == "kaiming":
             bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform(a=sqrt(5)) as PEFT initialises A
             a = rng.uniform(-bound, bound, size=(config.r, in_f))
@@ -488,8 +488,8 @@ class _LoraLayer:
             grad_m = (dy * c["dora_out"]).sum(axis=0, dtype=f32) / c["norms"]
             calls.grad_magnitude = grad_m.astype(f32, copy=False)
             dyg = dy * g
-        # The order of these allocations is the memory estimator's too (nybble.memory.
-        # nybble_timeline shadows it: CuPy's pool reuses blocks by it).
+        # The order of these allocations decides which blocks CuPy's pool reuses (the memory
+        # estimator records it from this code: nybble.memory.trainer_run).
         calls.grad_b = backend.matmul(dyg.T, h, alpha=self.scaling, out_dtype=f32)
         gh = backend.matmul(dyg, b, alpha=self.scaling)  # dL/dh, [m, r]
         self._record_rows(gh, dy, "grad_y")

@@ -26,13 +26,19 @@ from typing import ClassVar, Protocol
 
 from .allocator import allocation_size, round_size
 from .cupy_pool import CupyPool
-from .nybble_timeline import NybbleTimeline, ReplayLimitError
 from .parts import BREAKDOWN_KEYS, TENSOR_PARTS
 from .quant import FLOAT_FORMATS
 from .replay import TaggedReplay, live_peak
 from .runtime import DEFAULT_OUTSIDE_ALLOCATOR, HIGHEST_OUTSIDE_ALLOCATOR
 from .setup import TrainingSetup
 from .timeline import PeftBnbTimeline, Tape
+from .trainer_run import (
+    ReplayLimitError,
+    TrainerRun,
+    check_replay_size,
+    persistent_bytes,
+    step_floor,
+)
 
 #: The CUDA caching allocator rounds every block up to this many bytes.
 ALLOC_ROUND = 512
@@ -335,20 +341,15 @@ class NybbleTrainer(FrameworkModel):
     """nybble's own trainer on the GPU (`nybble.train.Trainer(..., device="cuda")`).
 
     Its arrays live in CuPy's memory pool, whose reserved bytes follow from the order of every
-    allocation and free: the run is written down by `NybbleTimeline` (a shadow of the
-    trainer's code) and replayed through `CupyPool`, a simulation of CuPy's pool, from the
-    model's construction on, step after step, until a step's reserved peak equals the one
-    before. What decides the memory, each in the timeline:
-    - the base stays in NF4 (0.5 bytes a weight, a float32 scale per 64) and each product
-      dequantizes one projection's W whole to the compute dtype for the GEMM and drops it;
-    - the embedding (and an untied head) are frozen in the compute dtype; the adapters,
-      their gradients and AdamW's two moments and accumulator are float32 flat buffers, and
-      each LoRA layer keeps its last gradients between steps;
-    - attention never holds a [T, T] score matrix: chunks of at most 2^25 scores, two such
-      buffers in backward; the LM head and its loss go 2^25 logits at a time;
-    - without checkpointing every layer keeps what its backward needs (the fused kernels'
-      outputs, the projections' inputs and LoRA products); with it, each layer's input, and
-      one layer's activations at a time in backward.
+    allocation and free. The trainer's own code is run on the recording backend
+    (`trainer_run.TrainerRun`: the model built from weights that are shapes, then
+    `train_batch` steps), and the allocations and frees it records are replayed through
+    `CupyPool`, a simulation of CuPy's pool, from the model's construction on, step after
+    step, until a step's reserved peak equals the one before. There is no description of the
+    trainer here: what decides its memory (the NF4 base dequantized a projection at a time,
+    the float32 adapters, gradients and AdamW states in flat buffers, attention and the loss
+    in chunks, what each layer keeps for backward with and without checkpointing) is what
+    its code allocates (docs/training.md describes it).
     """
 
     name = "nybble"
@@ -363,9 +364,15 @@ class NybbleTrainer(FrameworkModel):
         def through_cupy_pool(tags: dict[int, str], phases: Sequence[str]) -> TaggedReplay:
             return TaggedReplay(tags, phases, allocator=CupyPool())
 
-        return replay_until_steady(
-            NybbleTimeline(s), through_cupy_pool, self.MIN_STEPS, self.MAX_STEPS
-        )
+        return replay_until_steady(TrainerRun(s), through_cupy_pool, self.MIN_STEPS, self.MAX_STEPS)
+
+    def lower_bound(self, s: TrainingSetup) -> int:
+        """At most the step's allocated peak, without running a step: what the trainer's
+        construction keeps (recorded once for the model and settings, whatever the batch and
+        length), every layer's input (each layer keeps it for its backward, with checkpointing
+        or without) and the first chunk of float32 logits of the loss, alive together."""
+        check_replay_size(s)
+        return persistent_bytes(s) + step_floor(s)
 
     def footprint(self, s: TrainingSetup) -> Footprint:
         rp = self.replay(s)

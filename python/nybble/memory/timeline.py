@@ -69,6 +69,10 @@ class Tape:
             if key is not None:
                 self.events.append(("free", key, 0))
 
+    def alloc(self, nbytes: int) -> int:
+        """An allocation tagged with the current `tag` (a recording backend's Recorder)."""
+        return self.new(nbytes)
+
     def temp(self, nbytes: int, tag: str | None = None) -> None:
         """A tensor that dies right after the op that made it."""
         self.free(self.new(nbytes, tag))

@@ -141,14 +141,15 @@ def rope_inverse_frequencies(config: TransformerConfig) -> np.ndarray:
     return inv_freq
 
 
-def rope_tables(config: TransformerConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(config: TransformerConfig, length: int, xp: Any = np) -> tuple[Array, Array]:
     """cos, sin [length, head_dim] (float32, host) for positions 0..length-1: the angles
     position·inv_freq computed in float32, the two halves of the head sharing them (HF's
-    `cat(freqs, freqs)`). Packed batches take the rows of their tokens' positions."""
-    inv_freq = rope_inverse_frequencies(config)
-    freqs = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([freqs, freqs], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    `cat(freqs, freqs)`). Packed batches take the rows of their tokens' positions. `xp`: the
+    namespace of the model's host arrays (numpy; a recording's, whose arrays hold no values)."""
+    inv_freq = xp.asarray(rope_inverse_frequencies(config))
+    freqs = xp.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = xp.concatenate([freqs, freqs], axis=-1)
+    return xp.cos(angles).astype(np.float32), xp.sin(angles).astype(np.float32)
 
 
 def rope_forward(x: Array, cos: Array, sin: Array) -> Array:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import backends
 from ..backends import Backend
 from ..formats import numpy_dtype
 from ..lora.adapter import LoraAdapter
@@ -367,6 +368,8 @@ class DecoderLM:
         self.weights: dict[str, Array] = {}
         self.grads: dict[str, Array | None] = {}
         self._rope: dict[int, tuple[Array, Array]] = {}
+        #: the namespace of the host arrays the weights came in (numpy, or a recording's)
+        self._host_xp: Any = np
         #: Trainable parameter names in the order of the flat buffer.
         self.trainable: list[str] = []
         self._dense_trainable: list[str] = []  # those that live in `weights` (not projections)
@@ -467,7 +470,7 @@ class DecoderLM:
         if self.lora is not None and self.lora.targets(name):
             assert self.adapter is not None
             if not isinstance(base, NF4Tensor):
-                base = np.asarray(base, np.float32)
+                base = backends.of(base).xp.asarray(base, np.float32)
             layer = self.adapter.add_layer(name, base)
             if backend.device == "cuda":
                 layer.cuda()
@@ -481,7 +484,11 @@ class DecoderLM:
         return FrozenDense(name, self._to_device(base, self.dtype), backend)
 
     def _to_device(self, host: np.ndarray, dtype: Any) -> Array:
-        return self.backend.from_host(np.ascontiguousarray(host.astype(dtype, copy=False)))
+        """A host array on the model's device in `dtype`, made contiguous by the namespace of
+        the host arrays (numpy's, or a recording's, whose host arrays hold no values)."""
+        xp = backends.of(host).xp
+        self._host_xp = xp
+        return self.backend.from_host(xp.ascontiguousarray(host, dtype=dtype))
 
     def _make_flat(self, initial: dict[str, np.ndarray]) -> None:
         """One buffer for all trainable parameters; each becomes a view of it."""
@@ -496,7 +503,7 @@ class DecoderLM:
         for name, size in zip(self.trainable, sizes, strict=True):
             host = initial[name]
             view = self.flat[offset : offset + size].reshape(host.shape)
-            view[...] = self.backend.from_host(np.ascontiguousarray(host, self.param_dtype))
+            view[...] = self._to_device(host, self.param_dtype)
             self.views[name] = view
             self.offsets[name] = (offset, tuple(host.shape))
             offset += size
@@ -547,7 +554,7 @@ class DecoderLM:
         dtype too)."""
         found = self._rope.get(length)
         if found is None:
-            cos, sin = F.rope_tables(self.config, length)
+            cos, sin = F.rope_tables(self.config, length, self._host_xp)
             found = self._rope[length] = (
                 self._to_device(cos, self.dtype),
                 self._to_device(sin, self.dtype),

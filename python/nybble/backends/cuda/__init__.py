@@ -91,6 +91,9 @@ class CudaBackend:
     def finite_check(self) -> DeviceFiniteCheck:
         return DeviceFiniteCheck()
 
+    def random(self, seed: int) -> np.random.Generator:
+        return np.random.default_rng(seed)
+
     # --- the codec -------------------------------------------------------------------------
 
     def quantize(
