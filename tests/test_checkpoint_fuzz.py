@@ -60,7 +60,10 @@ CLI_CASES = int(300 * SCALE)
 FIXED_SEED = 0
 #: Cases that fresh seeds once found failing, replayed by every run of the test suite:
 #: test name -> (seed, case) pairs, as the failure message gives them.
-REGRESSIONS: dict[str, list[tuple[int, int]]] = {}
+REGRESSIONS: dict[str, list[tuple[int, int]]] = {
+    # a mutation of a mutation met a dtype (F6_E2M3) the library reads and nybble does not
+    "safetensors_reader": [(2688210403, 13395)],
+}
 
 
 def cases(test: str, total: int) -> Iterator[tuple[int, int, random.Random]]:
@@ -333,7 +336,8 @@ def _mutate_tensors(rng: random.Random, raw: bytes) -> tuple[bytes, str]:
         return _mutate_bytes(rng, raw)
     arrays: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
-        dtype = safetensors_io.DTYPES[t["dtype"]].numpy
+        known = safetensors_io.DTYPES.get(t["dtype"])  # F6_E2M3 etc.: the library's, not ours
+        dtype = None if known is None else known.numpy
         if dtype is None:
             return _mutate_bytes(rng, raw)
         arrays[name] = np.frombuffer(bytes(t["data"]), dtype).reshape(t["shape"]).copy()
@@ -479,10 +483,13 @@ def test_fuzz_safetensors_reader(work: Path) -> None:
     originals = safetensors_seeds()
     counts = {"accepted": 0, "rejected": 0, "refused by nybble": 0}
     for seed, case, rng in cases("safetensors_reader", FILE_CASES):
-        raw, what = mutate(rng, path, rng.choice(originals))
-        if rng.random() < 0.2:  # mutations of mutations
-            raw, more = mutate(rng, path, raw)
-            what += " + " + more
+        try:
+            raw, what = mutate(rng, path, rng.choice(originals))
+            if rng.random() < 0.2:  # mutations of mutations
+                raw, more = mutate(rng, path, raw)
+                what += " + " + more
+        except Exception as e:  # the harness's own fault: name the case that replays it
+            raise AssertionError(f"the mutator, seed {seed}, case {case}: {e!r}") from e
         path.write_bytes(raw)
         expected = library_reads(raw)
         try:
