@@ -11,7 +11,10 @@ in that accumulation dtype.
 Attention never holds the whole [T, T] score matrix: queries go in chunks of positions whose
 scores fit `chunk_elements`, and backward recomputes each chunk's probabilities from the
 saved log-sum-exp (as flash attention does). On the GPU the softmax of a chunk and its
-gradient run as one fused kernel each (train/_cuda.py); elsewhere the same math in `xp`.
+gradient run as one fused kernel each (train/_cuda.py); elsewhere the same math in `xp`. For
+bfloat16 heads of 64 or 128 on the GPU, the whole attention runs in flash-attention kernels
+instead (train/_cuda.py: no chunks, the scores never in memory), offered by the softmax
+object (`flash_forward` / `flash_backward`).
 """
 
 from __future__ import annotations
@@ -227,7 +230,12 @@ class SoftmaxKernels:
     [batch, rows, keys] (rows: `group` query heads per position, positions from `t0`);
     `lse` and `delta` are [batch, positions · group], of which the chunk covers
     [t0·group, t0·group + rows). `starts` [batch, positions] (packed sequences), where given,
-    is the first position of each position's sample: no row sees a key before it."""
+    is the first position of each position's sample: no row sees a key before it.
+
+    A softmax object may also offer the whole attention (the GPU's, train/_cuda.py):
+    `flash_forward(q, k, v, scale, window, starts)` and `flash_backward(do, q, k, v, out, lse,
+    scale, window, starts)` with attention_forward's and attention_backward's arguments and
+    results, or None where they do not apply; the xp statement offers neither."""
 
     def __init__(self, xp: Any) -> None:
         self.xp = xp
@@ -343,7 +351,13 @@ def attention_forward(
     repeat_kv order), k, v [B, kv_heads, T, D], all C-contiguous; `starts` [B, T] (packed
     sequences: each position's sample begins there, and no query sees a key before it) or
     None. Returns the output [B, T, kv_heads, group, D] (the layout o_proj reads) and the
-    log-sum-exp of every row [B·kv_heads, T·group] (float32)."""
+    log-sum-exp of every row [B·kv_heads, T·group] (float32). A softmax object that offers
+    the whole attention (`flash_forward`) computes it where it applies."""
+    flash = getattr(softmax, "flash_forward", None)
+    if flash is not None:
+        done = flash(q, k, v, scale, window, starts)
+        if done is not None:
+            return done
     b, kv, t, group, d = q.shape
     nb = b * kv
     qb, kb, vb = q.reshape(nb, t, group, d), k.reshape(nb, t, d), v.reshape(nb, t, d)
@@ -378,7 +392,13 @@ def attention_backward(
     """Gradients of attention_forward for do [B, T, kv_heads, group, D]: dq in the same layout
     as do, dk and dv [B, T, kv_heads, D], all in do's dtype. Per chunk, with P recomputed
     from lse: dP = dO·Vᵀ, dS = P·(dP - rowsum(dO·O))·scale, dQ = dS·K, dK += dSᵀ·Q,
-    dV += Pᵀ·dO (the key/value gradients summed over the group in float32)."""
+    dV += Pᵀ·dO (the key/value gradients summed over the group in float32). A softmax object
+    that offers the whole attention (`flash_backward`) computes it where it applies."""
+    flash = getattr(softmax, "flash_backward", None)
+    if flash is not None:
+        done = flash(do, q, k, v, out, lse, scale, window, starts)
+        if done is not None:
+            return done
     b, kv, t, group, d = q.shape
     nb = b * kv
     acc = accumulate_dtype(do.dtype)
