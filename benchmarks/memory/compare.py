@@ -43,11 +43,8 @@ TOLERANCE = 0.03
 
 
 def _import_memory() -> Any:
-    try:
-        from nybble import memory
-    except ImportError:  # no compiled core here: the estimator itself is pure Python
-        sys.path.insert(0, str(HERE.parents[1] / "python" / "nybble"))
-        import memory  # type: ignore[no-redef]
+    from nybble import memory
+
     return memory
 
 

@@ -3,8 +3,11 @@
     est = nybble.estimate_memory("qwen3-4b", batch=2, seq_len=2048, gpu="rtx4090")
     est.total_bytes, est.breakdown, est.fits(), est.max_batch(), est.suggestions()
 
-Pure Python (no numpy, no torch): importable anywhere, including by the GPU measurement
-script in benchmarks/memory/, which checks these figures against measured peaks.
+A run's allocations are replayed through a simulation of the GPU's allocator: for transformers +
+PEFT + bitsandbytes written down from the architecture (`timeline`), for nybble's own trainer
+recorded from its own code run on the recording backend (`trainer_run`). Model configs are read
+through nybble's one model of a Hugging Face config (`nybble.train.config.HfConfig`). No torch:
+the figures are checked against measured peaks by the scripts in benchmarks/memory/.
 """
 
 from .arch import PROJECTIONS, Architecture

@@ -21,7 +21,6 @@ is its one-output gate.
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from collections.abc import Mapping
@@ -30,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import _json
-from ._errors import FormatError
+from ..errors import FormatError
+from ..train.config import DECODER_TYPES, HfConfig
 
 #: The linear layers of one decoder layer, in PEFT's module names.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,16 +50,9 @@ REQUIRED_FIELDS = (
     "vocab_size",
 )
 
-#: model_type -> (q/k RMSNorm on each head, bias on q/k/v, mixture of experts)
-MODEL_TYPES: dict[str, tuple[bool, bool, bool]] = {
-    "llama": (False, False, False),
-    "mistral": (False, False, False),
-    "qwen2": (False, True, False),
-    "qwen3": (True, False, False),
-    "mixtral": (False, False, True),
-    "qwen2_moe": (False, True, True),
-    "qwen3_moe": (True, False, True),
-}
+#: model_type -> (q/k RMSNorm on each head, bias on q/k/v, mixture of experts): every decoder
+#: type nybble reads (nybble.train.config.DECODER_TYPES, where HF configs are read).
+MODEL_TYPES = DECODER_TYPES
 
 #: The activations of the gated MLP the timeline writes (silu(gate) * up).
 ACTIVATIONS = ("silu", "swish")
@@ -300,66 +293,42 @@ class Architecture:
             if not isinstance(text, Mapping):
                 raise FormatError(source, "must be a JSON object", "text_config")
             cfg = {**cfg, **dict(text)}
-        r = _Reader(cfg, source)
+        r = HfConfig(cfg, source, ranges=_INT_RANGES, whole_floats=True)
         for key in REQUIRED_FIELDS:
             if cfg.get(key) is None:
-                raise FormatError(source, "missing: the estimate needs it", key)
-        model_type = r.str("model_type")
-        if model_type not in MODEL_TYPES:
-            raise FormatError(
-                source,
-                f"{model_type!r} is not one the estimator models (it models "
-                f"{', '.join(MODEL_TYPES)}); its memory would be guessed, so it is refused",
-                "model_type",
-            )
+                raise r.fail(key, "missing: the estimate needs it")
+        model_type = r.model_type(
+            MODEL_TYPES,
+            "{name} is not one the estimator models (it models {known}); its memory would be "
+            "guessed, so it is refused",
+        )
         qk_norm, qkv_bias, moe = MODEL_TYPES[model_type]
         act = cfg.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
-            raise FormatError(
-                source, f"{act!r} is not a gated SiLU MLP, the one modelled", "hidden_act"
-            )
-        hidden = r.int("hidden_size")
-        heads = r.int("num_attention_heads")
-        kv = r.int("num_key_value_heads", heads)
-        if heads % kv:
-            raise FormatError(
-                source,
-                f"num_attention_heads ({heads}) must be a multiple of it ({kv})",
-                "num_key_value_heads",
-            )
-        if cfg.get("head_dim") is None:
-            if hidden % heads:
-                raise FormatError(
-                    source,
-                    f"hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}) "
-                    "and there is no head_dim",
-                    "head_dim",
-                )
-            head_dim = hidden // heads
-        else:
-            head_dim = r.int("head_dim")
-        attention_bias = r.bool("attention_bias", False)
+            raise r.fail("hidden_act", f"{act!r} is not a gated SiLU MLP, the one modelled")
+        hidden, heads, kv, head_dim = r.heads()
+        attention_bias = r.flag("attention_bias", False)
         experts = dict(
             num_experts=0, experts_per_token=0, expert_intermediate_size=0,
             shared_expert_intermediate_size=0, dense_layers=frozenset(),
         )  # fmt: skip
-        layers = r.int("num_hidden_layers")
+        layers = r.integer("num_hidden_layers")
         if moe:
             experts = _moe_fields(r, model_type, layers)
         return cls(
-            name=name or r.str("_name_or_path", model_type) or model_type,
+            name=name or r.text("_name_or_path", model_type) or model_type,
             hidden_size=hidden,
-            intermediate_size=r.int("intermediate_size"),
+            intermediate_size=r.integer("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=head_dim,
-            vocab_size=r.int("vocab_size"),
-            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            vocab_size=r.integer("vocab_size"),
+            tie_word_embeddings=r.flag("tie_word_embeddings", False),
             qk_norm=qk_norm,
-            qkv_bias=r.bool("qkv_bias", qkv_bias) or attention_bias,
+            qkv_bias=r.flag("qkv_bias", qkv_bias) or attention_bias,
             o_bias=attention_bias,
-            mlp_bias=r.bool("mlp_bias", False),
+            mlp_bias=r.flag("mlp_bias", False),
             model_type=model_type,
             source=cfg,
             **experts,  # type: ignore[arg-type]
@@ -398,69 +367,27 @@ class Architecture:
         return cls.from_config(_json.loads(data, p, int_digits=_json.MAX_INT_DIGITS), name=str(p))
 
 
-class _Reader:
-    """Typed, ranged reads of config fields; FormatError naming the field otherwise."""
-
-    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
-
-    def int(self, key: str, default: int | None = None) -> int:
-        value = self.cfg.get(key)
-        if value is None:
-            if default is None:
-                raise FormatError(self.source, "missing: the estimate needs it", key)
-            return default
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise FormatError(self.source, f"must be an integer, got {value!r}", key)
-        lo, hi = _INT_RANGES.get(key, (1, 1 << 30))
-        if not lo <= value <= hi:
-            raise FormatError(self.source, f"must be from {lo} to {hi}, got {value}", key)
-        return value
-
-    def bool(self, key: str, default: bool) -> bool:
-        value = self.cfg.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise FormatError(self.source, f"must be true or false, got {value!r}", key)
-        return value
-
-    def str(self, key: str, default: str | None = None) -> str:
-        value = self.cfg.get(key, default)
-        if value is None:
-            raise FormatError(self.source, "missing: the estimate needs it", key)
-        if not isinstance(value, str):
-            raise FormatError(self.source, f"must be a string, got {value!r}", key)
-        return value
-
-
-def _moe_fields(r: _Reader, model_type: str, layers: int) -> dict[str, Any]:
+def _moe_fields(r: HfConfig, model_type: str, layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config."""
     if model_type == "mixtral":
-        experts = r.int("num_local_experts")
-        expert_size = r.int("intermediate_size")
+        experts = r.integer("num_local_experts")
+        expert_size = r.integer("intermediate_size")
         shared = 0
         dense: frozenset[int] = frozenset()
     else:
-        experts = r.int("num_experts")
-        expert_size = r.int("moe_intermediate_size")
-        shared = r.int("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
-        step = r.int("decoder_sparse_step", 1)
-        only = r.cfg.get("mlp_only_layers") or []
+        experts = r.integer("num_experts")
+        expert_size = r.integer("moe_intermediate_size")
+        shared = r.integer("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+        step = r.integer("decoder_sparse_step", 1)
+        only = r.raw.get("mlp_only_layers") or []
         if not isinstance(only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in only
         ):
-            raise FormatError(
-                r.source, f"must be a list of layer indices below {layers}", "mlp_only_layers"
-            )
+            raise r.fail("mlp_only_layers", f"must be a list of layer indices below {layers}")
         dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
-    per_token = r.int("num_experts_per_tok")
+    per_token = r.integer("num_experts_per_tok")
     if per_token > experts:
-        raise FormatError(
-            r.source, f"{per_token} is more than the {experts} experts", "num_experts_per_tok"
-        )
+        raise r.fail("num_experts_per_tok", f"{per_token} is more than the {experts} experts")
     return dict(
         num_experts=experts,
         experts_per_token=per_token,

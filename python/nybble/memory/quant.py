@@ -46,7 +46,7 @@ def normalize_dtype(dtype: str, what: str) -> str:
 
 def numpy_scalar(value: object, kinds: str) -> bool:
     """Whether `value` is a numpy scalar of one of the dtype `kinds` ("b" bool, "iu" integer),
-    told without importing numpy (the estimator is pure Python)."""
+    told without numpy's help (any numpy integer or bool, of any numpy version)."""
     kind = getattr(getattr(value, "dtype", None), "kind", None)
     return (
         type(value).__module__ == "numpy"

@@ -1,12 +1,20 @@
 """TransformerConfig: the shape of a decoder-only LM in Hugging Face Llama's terms, read from
 a Llama / Mistral / Qwen2 / Qwen3 `config.json` or built by hand (docs/training.md, "The
-model")."""
+model").
+
+`HfConfig` is nybble's one model of a Hugging Face `config.json`: every field read with its
+type, range and default, a bad one a FormatError naming the config and the field; the
+decoder types nybble knows and what each implies (`DECODER_TYPES`); the attention's heads as
+the fields give them (`HfConfig.heads`). The trainer reads its TransformerConfig through it,
+and the memory estimator its Architecture (nybble.memory.arch), each then refusing what it
+does not model.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -14,11 +22,22 @@ from typing import Any
 from .._json import read_file as read_json
 from ..errors import FormatError
 
-#: The model types whose math the trainer implements: Llama's decoder (RMSNorm, rotary,
+#: Every decoder `model_type` nybble reads, with what the type implies: (an RMSNorm of each q
+#: and k head, a bias on q/k/v, mixture-of-experts MLPs). Llama's decoder (RMSNorm, rotary,
 #: GQA, SwiGLU; SmolLM is a Llama), Mistral's (the same, with an optional sliding window),
-#: Qwen2's (the same, with biases on q, k and v) and Qwen3's (with an RMSNorm of q and k per
-#: head before the rotation).
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Qwen2's (with biases on q, k and v), Qwen3's (with an RMSNorm of q and k per head before the
+#: rotation), and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+DECODER_TYPES: dict[str, tuple[bool, bool, bool]] = {
+    "llama": (False, False, False),
+    "mistral": (False, False, False),
+    "qwen2": (False, True, False),
+    "qwen3": (True, False, False),
+    "mixtral": (False, False, True),
+    "qwen2_moe": (False, True, True),
+    "qwen3_moe": (True, False, True),
+}
+#: The model types whose math the trainer implements: the dense ones.
+MODEL_TYPES = tuple(name for name, (_, _, moe) in DECODER_TYPES.items() if not moe)
 #: Projections that may carry a bias (HF: Qwen2's q/k/v always; Llama's and Qwen3's
 #: `attention_bias` q/k/v/o, Llama's `mlp_bias` gate/up/down).
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -305,15 +324,28 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 #: What HF's modules of each type put biases on: Qwen2's q/k/v always, the others' by flag.
-_FIXED_BIASES = {"qwen2": ("q_proj", "k_proj", "v_proj")}
+_FIXED_BIASES = {
+    name: ATTENTION_PROJECTIONS[:3] for name, (_, qkv_bias, _) in DECODER_TYPES.items() if qkv_bias
+}
 
 
-class _HfReader:
-    """Reads one HF config dict, naming the field at fault in every error."""
+class HfConfig:
+    """One Hugging Face config dict, read field by field: each read checks the field's type
+    (and range) and gives its default when it is absent or null; a bad or missing field is a
+    FormatError naming `where` and the field. `ranges` bounds integer fields by name (others:
+    at least 1); `whole_floats` takes an integer written as a float (64.0)."""
 
-    def __init__(self, raw: Mapping[str, Any], where: str) -> None:
+    def __init__(
+        self,
+        raw: Mapping[str, Any],
+        where: str,
+        ranges: Mapping[str, tuple[int, int]] | None = None,
+        whole_floats: bool = False,
+    ) -> None:
         self.raw = raw
         self.where = where
+        self.ranges = dict(ranges or {})
+        self.whole_floats = whole_floats
 
     def fail(self, field: str, problem: str) -> FormatError:
         return FormatError(self.where, problem, field)
@@ -324,8 +356,12 @@ class _HfReader:
             if default is None:
                 raise self.fail(name, "missing")
             return default
-        if not _is_int(value) or value < 1:
-            raise self.fail(name, f"expected an integer >= 1, got {value!r}")
+        if self.whole_floats and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        lo, hi = self.ranges.get(name, (1, None))
+        if not _is_int(value) or value < lo or (hi is not None and value > hi):
+            within = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+            raise self.fail(name, f"expected an integer {within}, got {value!r}")
         return int(value)
 
     def number(self, name: str, default: float) -> float:
@@ -344,29 +380,36 @@ class _HfReader:
             raise self.fail(name, f"expected true or false, got {value!r}")
         return value
 
+    def text(self, name: str, default: str | None = None) -> str:
+        value = self.raw.get(name, default)
+        if value is None:
+            raise self.fail(name, "missing")
+        if not isinstance(value, str):
+            raise self.fail(name, f"expected a string, got {value!r}")
+        return value
+
     def require(self, name: str, allowed: tuple[Any, ...], why: str) -> None:
         """A field that must be absent, null, or one of `allowed`."""
         if name in self.raw and self.raw[name] is not None and self.raw[name] not in allowed:
             raise self.fail(name, f"{self.raw[name]!r} is not supported: {why}")
 
-    def read(self) -> TransformerConfig:
-        raw = self.raw
-        model_type = raw.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise self.fail(
-                "model_type",
-                f"{model_type!r} is not supported; nybble trains {', '.join(MODEL_TYPES)}",
-            )
-        for name in ("hidden_act", "hidden_activation"):
-            self.require(name, ("silu",), "the MLP is SwiGLU with silu")
-        self.require("attention_dropout", (0, 0.0), "attention has no dropout")
-        self.require("partial_rotary_factor", (1, 1.0), "rotary covers the whole head")
-        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-            self.require(name, (0,), "mixture-of-experts layers are not implemented")
+    def model_type(self, known: Iterable[str], refusal: str, default: str | None = None) -> str:
+        """The config's model_type, one of `known`; otherwise a FormatError whose problem is
+        `refusal` with {name} (the type given) and {known} (the known ones) filled in."""
+        names = tuple(known)
+        model_type = self.text("model_type", default)
+        if model_type not in names:
+            problem = refusal.format(name=repr(model_type), known=", ".join(names))
+            raise self.fail("model_type", problem)
+        return model_type
+
+    def heads(self) -> tuple[int, int, int, int]:
+        """(hidden_size, num_attention_heads, num_key_value_heads, head_dim): the key/value
+        heads default to the attention heads and must divide them; head_dim defaults to
+        hidden_size / num_attention_heads, which must then be whole."""
         heads = self.integer("num_attention_heads")
         hidden = self.integer("hidden_size")
-        head_dim_default = hidden // heads if hidden % heads == 0 else None
-        if raw.get("head_dim") is None and head_dim_default is None:
+        if self.raw.get("head_dim") is None and hidden % heads:
             raise self.fail(
                 "head_dim",
                 f"missing, and hidden_size {hidden} is not a multiple "
@@ -378,11 +421,27 @@ class _HfReader:
                 "num_key_value_heads",
                 f"{kv_heads} does not divide num_attention_heads {heads}",
             )
-        head_dim = self.integer("head_dim", head_dim_default)
+        return hidden, heads, kv_heads, self.integer("head_dim", hidden // heads)
+
+
+class _HfReader(HfConfig):
+    """Reads one HF config dict into the trainer's TransformerConfig."""
+
+    def read(self) -> TransformerConfig:
+        model_type = self.model_type(
+            MODEL_TYPES, "{name} is not supported; nybble trains {known}", default="llama"
+        )
+        for name in ("hidden_act", "hidden_activation"):
+            self.require(name, ("silu",), "the MLP is SwiGLU with silu")
+        self.require("attention_dropout", (0, 0.0), "attention has no dropout")
+        self.require("partial_rotary_factor", (1, 1.0), "rotary covers the whole head")
+        for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+            self.require(name, (0,), "mixture-of-experts layers are not implemented")
+        hidden, heads, kv_heads, head_dim = self.heads()
         if head_dim % 2:
             raise self.fail("head_dim", f"must be even for rotary positions, got {head_dim}")
         theta, rope = self.rope()
-        values = dict(
+        values: dict[str, Any] = dict(
             model_type=model_type,
             hidden_size=hidden,
             intermediate_size=self.integer("intermediate_size"),
@@ -395,7 +454,7 @@ class _HfReader:
             rope_theta=theta,
             rope_scaling=rope,
             tie_word_embeddings=self.flag("tie_word_embeddings", False),
-            qk_norm=model_type == "qwen3",
+            qk_norm=DECODER_TYPES[model_type][0],
             sliding_window=self.sliding_window(model_type),
             initializer_range=self.number("initializer_range", 0.02),
             biases=self.biases(model_type),
@@ -498,9 +557,11 @@ def _is_number(value: Any) -> bool:
 
 __all__ = [
     "ATTENTION_PROJECTIONS",
+    "DECODER_TYPES",
     "MLP_PROJECTIONS",
     "MODEL_TYPES",
     "ROPE_TYPES",
+    "HfConfig",
     "RopeScaling",
     "TransformerConfig",
 ]
