@@ -1276,7 +1276,7 @@ def _flash_capable(device: int) -> bool:
     import cupy as cp
 
     device_type = getattr(cp.cuda, "Device", None)
-    if device_type is None:  # a recording's namespace (backends/record.py): nothing runs
+    if device_type is None:  # a recording's namespace (backends/record): nothing runs
         return True
     return int(device_type(device).compute_capability) >= 80
 
@@ -1287,7 +1287,7 @@ def _aligned(a: Any) -> bool:
     if not a.flags.c_contiguous:
         return False
     data = getattr(a, "data", None)
-    if data is None:  # a recording's array (backends/record.py) knows its own alignment
+    if data is None:  # a recording's array (backends/record) knows its own alignment
         return bool(getattr(a, "aligned16", False))
     return int(data.ptr) % 16 == 0
 
