@@ -254,8 +254,9 @@ def _around(obj: Any, name: str, before: Callable[[], None], after: Callable[[],
 
 
 def transformer_config(s: TrainingSetup) -> Any:
-    """The trainer's model config for the setup's architecture."""
-    from ..train.config import TransformerConfig
+    """The trainer's model config for the setup's architecture (a type the trainer does not
+    have, refused by `supported` anyway, as a Llama)."""
+    from ..train.config import MODEL_TYPES, TransformerConfig
 
     a = s.arch
     return TransformerConfig(
@@ -268,9 +269,7 @@ def transformer_config(s: TrainingSetup) -> Any:
         vocab_size=a.vocab_size,
         tie_word_embeddings=a.tie_word_embeddings,
         qk_norm=a.qk_norm,
-        model_type=a.model_type
-        if a.model_type in ("llama", "mistral", "qwen2", "qwen3")
-        else "llama",
+        model_type=a.model_type if a.model_type in MODEL_TYPES else "llama",
     )
 
 
