@@ -1,9 +1,12 @@
-"""Every CUDA source shipped in the extension compiles with NVRTC for sm_80 and sm_90, and
-defines every kernel the launchers name. NVRTC needs no GPU and no driver, so this runs in CI
+"""Every CUDA source shipped in the extension compiles with NVRTC for sm_80 and sm_90, with
+the options its loader compiles it with, and defines every kernel the launchers name: the
+library's (kernels/nf4.cu, backends/cuda) and the trainer's (kernels/train.cu and
+kernels/attention.cu, train/_cuda.py). NVRTC needs no GPU and no driver, so this runs in CI
 (from the `nvidia-cuda-nvrtc-cu12` wheel); it is skipped only where that wheel is absent."""
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import dataclasses
 import functools
@@ -16,6 +19,7 @@ import pytest
 
 from nybble import _core, formats, reference
 from nybble.backends.cuda import kernels, launch
+from nybble.train import _cuda
 
 
 def _nvidia_dir() -> Path | None:
@@ -78,44 +82,98 @@ def compile_ptx(
 
 
 SOURCES = _core.kernel_sources()
+#: CuPy's RawModule, which compiles the trainer's modules, adds this to the options it is given.
+CUPY_RAW_MODULE_OPTIONS = ("-ftz=true",)
+
+
+def file_options(name: str, arch: str) -> list[str]:
+    """The NVRTC options the library compiles the shipped source `name` with for `arch`."""
+    target = f"--gpu-architecture={arch}"
+    if name == kernels.KERNEL_FILE:
+        return kernels.compile_options(arch.removeprefix("sm_"))
+    if name == _cuda.KERNEL_FILE:
+        return [*_cuda.COMPILE_OPTIONS, *CUPY_RAW_MODULE_OPTIONS, target]
+    if name == _cuda.FLASH_FILE:
+        return [*_cuda.FLASH_COMPILE_OPTIONS, *CUPY_RAW_MODULE_OPTIONS, target]
+    raise AssertionError(f"{name}: no loader compiles it")
 
 
 def test_the_extension_ships_the_kernels() -> None:
-    assert kernels.KERNEL_FILE in SOURCES
+    """The shipped sources are the files their loaders name, each with its compile options."""
+    assert set(SOURCES) == {kernels.KERNEL_FILE, _cuda.KERNEL_FILE, _cuda.FLASH_FILE}
     assert all(name.endswith((".cu", ".cuh")) for name in SOURCES)
+    on_disk = Path(__file__).resolve().parent.parent / "kernels"
+    for name, text in SOURCES.items():
+        assert (on_disk / name).read_text() == text, f"the embedded {name} is stale: rebuild"
 
 
 @functools.cache
+def file_ptx(name: str, arch: str) -> str:
+    """The shipped source `name` compiled for `arch` with its loader's options, once per run:
+    several tests read it."""
+    return compile_ptx(SOURCES[name], name, arch, options=file_options(name, arch))
+
+
 def module_ptx(arch: str) -> str:
-    """The library's kernel module compiled for `arch` with the host's definitions, once per
-    run: several tests read it."""
-    return compile_ptx(SOURCES[kernels.KERNEL_FILE], kernels.KERNEL_FILE, arch)
+    """The library's kernel module (nf4.cu) compiled for `arch` with the host's definitions."""
+    return file_ptx(kernels.KERNEL_FILE, arch)
+
+
+def file_entries(name: str, arch: str) -> dict[str, str]:
+    """The kernels of `name` for `arch` by name, each its PTX from its `.entry` to the next."""
+    return {e.split("(", 1)[0]: e for e in re.split(r"\.entry ", file_ptx(name, arch))[1:]}
 
 
 def module_entries(arch: str) -> dict[str, str]:
-    """The module's kernels for `arch` by name, each its PTX from its `.entry` to the next."""
-    return {e.split("(", 1)[0]: e for e in re.split(r"\.entry ", module_ptx(arch))[1:]}
+    return file_entries(kernels.KERNEL_FILE, arch)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", sorted(n for n in SOURCES if n.endswith(".cu")))
 def test_kernel_source_compiles(name: str, arch: str) -> None:
-    ptx = compile_ptx(SOURCES[name], name, arch)
+    ptx = file_ptx(name, arch)
     assert ".entry" in ptx
     # No local-memory arrays: a register array indexed at run time would land there.
     assert ".local" not in ptx, "a kernel spills an array to local memory"
-    # IEEE arithmetic throughout: flushing subnormals would break bit-exactness with the CPU.
-    assert ".ftz" not in ptx, "flush-to-zero arithmetic in the kernels"
+    if name == kernels.KERNEL_FILE:
+        # IEEE arithmetic throughout: flushing subnormals would break bit-exactness with the
+        # CPU. (The trainer's modules are compiled by CuPy's RawModule, with -ftz=true.)
+        assert ".ftz" not in ptx, "flush-to-zero arithmetic in the kernels"
+
+
+def trainer_launches() -> tuple[set[str], set[str]]:
+    """The kernel names train/_cuda.py launches, read from its calls: `_kernel(name, dtype)`
+    (the row module, a kernel per dtype suffix), `_flash_launch(kind, d, ...)` (the flash
+    module, a kernel per head dim) and `_flash_kernel(device, name, shared)`."""
+    assert _cuda.__file__ is not None
+    tree = ast.parse(Path(_cuda.__file__).read_text())
+    rows: set[str] = set()
+    flash: set[str] = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        literal = [str(a.value) for a in node.args if isinstance(a, ast.Constant)]
+        if node.func.id == "_kernel" and literal:
+            rows |= {f"{literal[0]}_{s}" for s in _cuda.SUFFIX.values()}
+        elif node.func.id == "_flash_launch" and literal:
+            flash |= {f"flash_{literal[0]}_d{d}" for d in _cuda.FLASH_HEAD_DIMS}
+        elif node.func.id == "_flash_kernel" and literal:
+            flash.add(literal[0])
+    return rows, flash
+
+
+def test_the_trainer_launches_are_read() -> None:
+    rows, flash = trainer_launches()
+    assert {"softmax_forward_bf16", "heads_backward_f32", "gate_backward_bf16"} <= rows
+    assert {"flash_forward_d64", "flash_dkdv_d128", "flash_delta"} <= flash
+    assert rows <= set(_cuda.KERNEL_NAMES) and flash <= set(_cuda.FLASH_KERNEL_NAMES)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_trainer_kernels_compile(arch: str) -> None:
-    from nybble.train import _cuda
-
-    options = [*_cuda.COMPILE_OPTIONS, f"--gpu-architecture={arch}"]
-    ptx = compile_ptx(_cuda.SOURCE, "train_kernels.cu", arch, options=options)
-    assert set(_cuda.KERNEL_NAMES) <= set(re.findall(r"\.entry\s+(\w+)", ptx))
-    assert ".local" not in ptx
+def test_every_trainer_kernel_is_defined(arch: str) -> None:
+    rows, flash = trainer_launches()
+    assert rows | set(_cuda.KERNEL_NAMES) <= set(file_entries(_cuda.KERNEL_FILE, arch))
+    assert flash | set(_cuda.FLASH_KERNEL_NAMES) <= set(file_entries(_cuda.FLASH_FILE, arch))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
