@@ -9,9 +9,10 @@ from typing import Any
 from ..memory import GPUS, LOOPS, MODEL_PRESETS, estimate_memory
 from ..memory.estimate import MemoryEstimate, seq_len_step
 from ..memory.frameworks import FRAMEWORKS
-from ..memory.parts import BREAKDOWN_KEYS, DESCRIPTIONS
+from ..memory.parts import BREAKDOWN_KEYS, DESCRIPTIONS, DISTRIBUTED_PARTS
 from ..memory.presets import GiB
 from ..memory.runtime import DEFAULT_OUTSIDE_ALLOCATOR, HIGHEST_OUTSIDE_ALLOCATOR
+from ..memory.setup import STRATEGIES
 from ._common import CliError, atomic_write, format_table, print_json
 
 _DESCRIPTION = """\
@@ -19,6 +20,9 @@ Estimate the GPU memory of a (Q)LoRA fine-tune (transformers + PEFT + bitsandbyt
 memory the training process holds at the peak of a steady training step, as NVML reports it
 for the process, and whether it fits on a GPU. The run's allocations are replayed through a
 simulation of PyTorch's caching allocator, from the model load through the training steps.
+
+Several GPUs (--gpus N): the peak of each GPU under FSDP (the default) or DDP, with the
+same breakdown; modelled from the engines' code, not yet measured (docs/estimator.md).
 
 MODEL is a preset ({presets}),
 a path to a Hugging Face config.json (or its folder), or a Hub id such as Qwen/Qwen3-4B whose
@@ -43,6 +47,8 @@ examples:
   nybble estimate llama-3.1-8b -b 4 -s 1024 --gpu a100-40g --json
   nybble estimate ./my-model/config.json --no-grad-checkpointing --gpu 24GB
   nybble estimate Qwen/Qwen3-4B --gpu l4 --plot qwen3-4b.png   (plot: pip install "nybble[plot]")
+  nybble estimate llama-3.1-70b --gpus 4 --framework nybble-torch --gpu h100
+  nybble estimate llama-3.1-70b --gpus 2 --offload --framework nybble-torch --gpu 24GB
 
 exit codes: 0 done, 1 bad input (one line on stderr), 2 usage.
 """
@@ -158,6 +164,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--framework", default="peft-bnb", help=f"runtime modelled: {', '.join(FRAMEWORKS)}"
     )
     p.add_argument(
+        "--gpus",
+        default="1",
+        metavar="N",
+        help="GPUs the run is spread over: the estimate is then each GPU's (default strategy "
+        "fsdp); frameworks peft-bnb and nybble-torch",
+    )
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help=f"how the GPUs share the run: {' or '.join(STRATEGIES)} (FSDP: shards, the "
+        "default for several GPUs; DDP: a whole replica on each); given with one GPU, that "
+        "runtime on one GPU",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="FSDP's CPU offload: shards, gradients and optimizer states in host memory "
+        "(reported apart)",
+    )
+    p.add_argument(
         "--loop",
         default="plain",
         choices=LOOPS,
@@ -201,6 +227,12 @@ def _context(text: str | None) -> str | None:
     return text
 
 
+def _gpus(text: str) -> int | str:
+    """--gpus: a whole number; anything else goes on as given, for the estimate to name."""
+    stripped = text.strip()
+    return int(stripped) if stripped.isdecimal() and len(stripped) <= 9 else text
+
+
 def run(args: argparse.Namespace) -> int:
     est = estimate_memory(
         args.model,
@@ -220,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
         loop=args.loop,
         context=_context(args.context),
         gpu=_gpu(args.gpu),
+        gpus=_gpus(args.gpus),  # type: ignore[arg-type]  # a bad one is named by the estimate
+        strategy=args.strategy,
+        offload=args.offload,
     )
     report: dict[str, Any] = est.to_dict()
     if est.gpu is not None:
@@ -278,15 +313,30 @@ def render(est: MemoryEstimate, report: dict[str, Any]) -> str:
         f"x {s.seq_len} tokens, gradient checkpointing "
         f"{'on' if s.grad_checkpointing else 'off'}, {s.loop} loop, framework {est.framework}"
     )
+    if s.distributed:
+        head += (
+            f"\n{s.gpus} GPU{'s' if s.gpus > 1 else ''}, strategy {s.strategy}"
+            f"{', CPU offload' if s.offload else ''}: every figure below is one GPU's"
+        )
     rows: list[list[Any]] = []
     for key in BREAKDOWN_KEYS:
         n = est.breakdown[key]
+        if key in DISTRIBUTED_PARTS and not s.distributed:
+            continue
         rows.append(
             [key.replace("_", " "), _gib(n), f"{100 * n / est.total_bytes:.1f}%", DESCRIPTIONS[key]]
         )
     rows.append(["total", _gib(est.total_bytes), "100.0%", "what the process holds at the peak"])
     table = format_table(["part", "GiB", "share", "what"], rows)
     lines = [head, "", table, ""]
+    if est.host_bytes:
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {_gib(v)}" for k, v in est.host_breakdown.items() if v
+        )
+        lines.append(
+            f"host memory (offload): {_gib(est.host_bytes)} GiB a process ({parts}); "
+            f"{_gib(s.gpus * est.host_bytes)} GiB for {s.gpus} on one host"
+        )
     lines.append(
         f"peak in: {est.peak_phase}; allocated {_gib(est.allocated_peak_bytes)} GiB, reserved "
         f"{_gib(est.reserved_peak_bytes)} GiB, outside the allocator {_gib(est.context_bytes)} "

@@ -8,14 +8,20 @@ PEFT + bitsandbytes written down from the architecture (`timeline`), for nybble'
 recorded from its own code run on the recording backend (`trainer_run`). Model configs are read
 through nybble's one model of a Hugging Face config (`nybble.train.config.HfConfig`). No torch:
 the figures are checked against measured peaks by the scripts in benchmarks/memory/.
+
+Several GPUs (`estimate_memory(..., gpus=4, strategy="fsdp")`): each GPU's peak under FSDP or
+DDP, the timeline of one rank with what the engine shards, gathers and reduces (`distributed`;
+modelled, not yet measured).
 """
 
 from .arch import PROJECTIONS, Architecture
+from .distributed import NCCL_WORKSPACE
 from .estimate import MemoryEstimate, Suggestion, estimate_memory
 from .frameworks import (
     FRAMEWORKS,
     Footprint,
     FrameworkModel,
+    NybbleTorch,
     PeftBnb,
     Phase,
     get_framework,
@@ -25,7 +31,7 @@ from .parts import BREAKDOWN_KEYS
 from .presets import GPU_PRESETS, GPUS, MODEL_PRESETS, GpuSpec, parse_size, resolve_gpu
 from .quant import codec_nbytes, stored_weight
 from .runtime import DEFAULT_OUTSIDE_ALLOCATOR, outside_allocator
-from .setup import LOOPS, TrainingSetup, resolve_model
+from .setup import LOOPS, STRATEGIES, TrainingSetup, resolve_model
 
 __all__ = [
     "BREAKDOWN_KEYS",
@@ -35,12 +41,15 @@ __all__ = [
     "GPU_PRESETS",
     "LOOPS",
     "MODEL_PRESETS",
+    "NCCL_WORKSPACE",
     "PROJECTIONS",
+    "STRATEGIES",
     "Architecture",
     "Footprint",
     "FrameworkModel",
     "GpuSpec",
     "MemoryEstimate",
+    "NybbleTorch",
     "PeftBnb",
     "Phase",
     "Suggestion",

@@ -96,7 +96,11 @@ class CupyPool:
 
     # --- the allocator's interface (replay.TaggedReplay) -------------------------------
 
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """A chunk of at least `nbytes` (nybble's trainer runs on one stream: `stream` is
+        there for the replay's protocol and must be 0)."""
+        if stream:
+            raise ValueError("CupyPool models one stream")
         size = round_size(nbytes)
         chunk = self._take(size)
         if chunk is None:

@@ -8,7 +8,13 @@ from typing import Any
 
 from .arch import Architecture
 from .frameworks import Footprint, Phase, ReplayLimitError, get_framework
-from .parts import ALLOCATOR_CACHE, BREAKDOWN_KEYS, OUTSIDE_ALLOCATOR, TENSOR_PARTS
+from .parts import (
+    ALLOCATOR_CACHE,
+    BREAKDOWN_KEYS,
+    NCCL_WORKSPACE,
+    OUTSIDE_ALLOCATOR,
+    TENSOR_PARTS,
+)
 from .presets import GiB, GpuSpec, parse_bytes, resolve_gpu
 from .runtime import outside_allocator
 from .setup import ModelLike, TrainingSetup
@@ -54,6 +60,12 @@ class MemoryEstimate:
     the given figure when `context` is given). `margin_bytes` covers what the validation
     run's processes held beyond their estimates (1% of the reserved peak, at least 20 MiB):
     `required_bytes + margin_bytes` where even that shortfall matters.
+
+    On several GPUs (`setup.gpus`, `setup.strategy`: docs/estimator.md, "Several GPUs") every
+    figure is one GPU's, the one that holds the most; `nccl_bytes` (NCCL's buffers, outside
+    the allocator: an assumed constant) is part of `total_bytes` and of the breakdown, and
+    with CPU offload `host_bytes` is what each process keeps in host memory
+    (`host_breakdown`, by part), not counted in the GPU's figures.
     """
 
     setup: TrainingSetup
@@ -75,13 +87,21 @@ class MemoryEstimate:
     context_override: int | None = None
     unruled_block_bytes: int = 0
     context_high_bytes: int = 0
+    nccl_bytes: int = 0
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory each process keeps with CPU offload (0 without)."""
+        return sum(self.host_breakdown.values())
 
     @property
     def required_bytes(self) -> int:
         """The figure the verdicts compare with a GPU: the replayed reserved peak, the block
-        the replay cannot rule out, and the outside part at the most it was measured."""
+        the replay cannot rule out, the outside part at the most it was measured, and NCCL's
+        buffers on several GPUs."""
         outside = max(self.context_bytes, self.context_high_bytes)
-        return self.reserved_peak_bytes + self.unruled_block_bytes + outside
+        return self.reserved_peak_bytes + self.unruled_block_bytes + outside + self.nccl_bytes
 
     # --- the questions --------------------------------------------------------------
 
@@ -130,9 +150,10 @@ class MemoryEstimate:
 
     def suggestions(self, gpu: GpuLike | None = None) -> list[Suggestion]:
         """When the setup does not fit: single changes that make it fit, the smallest first
-        (checkpointing, double quantization, a smaller batch, a shorter sequence, a lower
-        LoRA rank); if none does, all of the first three with the longest sequence that fits.
-        Empty when it fits already, or when nothing makes it fit."""
+        (checkpointing, double quantization; under FSDP, CPU offload and twice the GPUs; a
+        smaller batch, a shorter sequence, a lower LoRA rank); if none does, checkpointing,
+        double quantization and batch 1 with the longest sequence that fits. Empty when it
+        fits already, or when nothing makes it fit."""
         limit = self.gpu_bytes(gpu)
         if self.required_bytes <= limit:
             return []
@@ -158,6 +179,18 @@ class MemoryEstimate:
             )
         if s.quantized and not s.double_quant:
             attempt("double_quant", True, "use double quantization", double_quant=True)
+        if s.strategy == "fsdp":  # several GPUs: the engine's own ways to hold less
+            if not s.offload:
+                attempt(
+                    "offload",
+                    True,
+                    "FSDP's CPU offload (shards, gradients and optimizer states in host memory)",
+                    offload=True,
+                )
+            try:
+                attempt("gpus", 2 * s.gpus, f"{2 * s.gpus} GPUs", gpus=2 * s.gpus)
+            except ValueError:  # the 4-bit weights do not split over that many
+                pass
         if s.batch > 1:
             # the largest batch that fits and divides the batch: gradient accumulation over
             # batch / b steps keeps the effective batch (docs/estimator.md)
@@ -230,7 +263,8 @@ class MemoryEstimate:
 
         def lower(n: int) -> int:
             try:
-                return model.lower_bound(self.setup.with_(**changes(n))) + self.context_bytes
+                setup = self.setup.with_(**changes(n))
+                return model.lower_bound(setup) + self.context_bytes + self.nccl_bytes
             except ReplayLimitError:
                 beyond.add(n)
                 return limit + 1  # counted as not fitting: the answer is a lower bound
@@ -280,6 +314,9 @@ class MemoryEstimate:
                 grad_checkpointing=s.grad_checkpointing,
                 compute_dtype=s.compute_dtype,
                 loop=s.loop,
+                gpus=s.gpus,
+                strategy=s.strategy,
+                offload=s.offload,
             ),
             parameters=s.arch.num_parameters,
             lora_parameters=s.lora_parameters,
@@ -292,6 +329,9 @@ class MemoryEstimate:
             required_bytes=self.required_bytes,
             unruled_block_bytes=self.unruled_block_bytes,
             context_high_bytes=self.context_high_bytes,
+            nccl_bytes=self.nccl_bytes,
+            host_bytes=self.host_bytes,
+            host_breakdown=dict(self.host_breakdown),
             breakdown=dict(self.breakdown),
             peak_phase=self.peak_phase,
             phases=dict(self.phases),
@@ -310,10 +350,12 @@ class MemoryEstimate:
         return out
 
     def __repr__(self) -> str:
+        s = self.setup
+        gpus = f", gpus={s.gpus}, strategy={s.strategy!r}" if s.distributed else ""
         return (
-            f"MemoryEstimate({self.setup.arch.name!r}, total={self.total_gib:.2f} GiB, "
-            f"batch={self.setup.batch}, seq_len={self.setup.seq_len}, "
-            f"framework={self.framework!r})"
+            f"MemoryEstimate({s.arch.name!r}, total={self.total_gib:.2f} GiB"
+            f"{' per GPU' if s.distributed else ''}, batch={s.batch}, seq_len={s.seq_len}, "
+            f"framework={self.framework!r}{gpus})"
         )
 
 
@@ -376,6 +418,19 @@ def _estimate(
     gpu: GpuSpec | None = None,
 ) -> MemoryEstimate:
     model = get_framework(framework)
+    if setup.distributed and setup.strategy not in model.strategies:
+        what = f"gpus={setup.gpus}, strategy={setup.strategy!r}"
+        if setup.offload:
+            what += ", offload=True"
+        if model.instead:
+            raise ValueError(
+                f"framework {model.name!r} ({model.description}) runs on one GPU; for {what} "
+                f"use framework={model.instead}"
+            )
+        known = ", ".join(model.strategies) or "none"
+        raise ValueError(
+            f"framework {model.name!r} does not model {what} (its strategies: {known})"
+        )
     fp: Footprint = model.footprint(setup)
     peak: Phase = fp.peak
     unknown = set(peak.parts) - set(TENSOR_PARTS)
@@ -402,11 +457,12 @@ def _estimate(
     breakdown = {k: peak.parts.get(k, 0) for k in TENSOR_PARTS}
     breakdown[ALLOCATOR_CACHE] = fp.allocator_cache
     breakdown[OUTSIDE_ALLOCATOR] = context_bytes
+    breakdown[NCCL_WORKSPACE] = fp.nccl
     assert tuple(breakdown) == BREAKDOWN_KEYS
     return MemoryEstimate(
         setup=setup,
         framework=model.name,
-        total_bytes=reserved + context_bytes,
+        total_bytes=reserved + context_bytes + fp.nccl,
         allocated_peak_bytes=allocated,
         reserved_peak_bytes=reserved,
         context_bytes=context_bytes,
@@ -422,6 +478,8 @@ def _estimate(
         context_override=context,
         unruled_block_bytes=fp.unruled_block,
         context_high_bytes=high,
+        nccl_bytes=fp.nccl,
+        host_breakdown=dict(fp.host),
     )
 
 
@@ -444,6 +502,9 @@ def estimate_memory(
     loop: str = "plain",
     context: int | str | None = None,
     gpu: GpuLike | None = None,
+    gpus: int = 1,
+    strategy: str | None = None,
+    offload: bool = False,
 ) -> MemoryEstimate:
     """GPU memory of a steady (Q)LoRA training step (docs/estimator.md).
 
@@ -458,6 +519,15 @@ def estimate_memory(
     default the runtime's figure (`nybble.memory.runtime`). `gpu`: the GPU to answer for (a
     name such as "rtx4090" or a size such as "24GB"): `fits()`, `max_batch()` and the others
     then need no argument, and `to_dict()` says whether it fits.
+
+    Several GPUs (docs/estimator.md, "Several GPUs"; modelled, not yet measured): `gpus` GPUs
+    spread by `strategy`, "fsdp" (the default when gpus > 1 or offload: FSDP2 for
+    "nybble-torch", FSDP1 with a storage dtype for "peft-bnb") or "ddp" (a whole replica on
+    each); `offload`: FSDP's CPU offload (host memory in `host_bytes`). The estimate is then
+    per GPU, with the same breakdown (plus the gathered parameters, the communication buffers
+    and NCCL's workspace) and the same verdicts for one GPU of that size. framework="nybble"
+    (nybble's own trainer) runs on one GPU only. Given a strategy, one GPU is that runtime on
+    one GPU (torchrun with one process).
 
     Raises ValueError on bad input (FormatError, a ValueError, for a bad config file).
     """
@@ -476,6 +546,9 @@ def estimate_memory(
         grad_checkpointing=grad_checkpointing,
         compute_dtype=compute_dtype,
         loop=loop,
+        gpus=gpus,
+        strategy=strategy,
+        offload=offload,
     )
     spec = None if gpu is None else (gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu))
     outside = None if context is None else parse_bytes(context, "context", minimum=0)

@@ -14,7 +14,9 @@ each tagged with its part, replayed through a simulation of PyTorch's caching al
 (`replay`, `allocator`) until the training loop's reserved peak stops growing. Every figure of
 the estimate comes from that replay; the parts at the peak add up to the allocated peak,
 exactly. Both halves were compared with peaks and allocation traces measured on an H100
-(benchmarks/memory/, docs/estimator.md).
+(benchmarks/memory/, docs/estimator.md). `NybbleTorch` is the same replay with nybble's torch
+layer's recipe. Both take several GPUs (`TrainingSetup.strategy`): the timeline of one rank,
+with what FSDP or DDP changes (`distributed`), not yet measured.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from typing import ClassVar, Protocol
 
 from .allocator import allocation_size, round_size
 from .cupy_pool import CupyPool
+from .distributed import (
+    NCCL_WORKSPACE,
+    FsdpTimeline,
+    check_supported,
+    distributed_notes,
+    host_parts,
+    timeline_for,
+)
 from .parts import BREAKDOWN_KEYS, TENSOR_PARTS
 from .quant import FLOAT_FORMATS
 from .replay import TaggedReplay, live_peak
@@ -96,6 +106,10 @@ class Footprint:
     #: most the outside part was measured at (0: `context`)
     unruled_block: int = 0
     context_high: int = 0
+    #: NCCL's memory outside the allocator (a run on several GPUs), and with CPU offload what
+    #: the process keeps in host memory, by breakdown part
+    nccl: int = 0
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak(self) -> Phase:
@@ -107,6 +121,10 @@ class FrameworkModel(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
+    #: the ways of spreading a run over several GPUs it models (`setup.STRATEGIES`)
+    strategies: ClassVar[tuple[str, ...]] = ()
+    #: what to use instead for several GPUs, when it models none
+    instead: ClassVar[str] = ""
 
     @abstractmethod
     def footprint(self, setup: TrainingSetup) -> Footprint:
@@ -202,27 +220,32 @@ class PeftBnb(FrameworkModel):
 
     name = "peft-bnb"
     description = "transformers + PEFT + bitsandbytes (prepare_model_for_kbit_training)"
+    strategies = ("fsdp", "ddp")
 
     #: A measurement runs at least 3 steps; the replay as many, then on while still growing.
     MIN_STEPS = 3
     MAX_STEPS = 6
 
+    def timeline(self, s: TrainingSetup) -> PeftBnbTimeline:
+        """The events of one GPU's run (of one rank's, on several GPUs)."""
+        check_supported(s, self.name)
+        return timeline_for(s, self.name)
+
     def replay(self, s: TrainingSetup) -> TaggedReplay:
         """The run's events replayed until the reserved peak stops growing."""
-        return replay_until_steady(
-            PeftBnbTimeline(s, s.loop), TaggedReplay, self.MIN_STEPS, self.MAX_STEPS
-        )
+        return replay_until_steady(self.timeline(s), TaggedReplay, self.MIN_STEPS, self.MAX_STEPS)
 
     def footprint(self, s: TrainingSetup) -> Footprint:
-        rp = self.replay(s)
+        timeline = self.timeline(s)
+        rp = replay_until_steady(timeline, TaggedReplay, self.MIN_STEPS, self.MAX_STEPS)
         steady = rp.steps[-1]
         phases = steady_phases(rp)
         for phase in phases:
             unknown = set(phase.parts) - set(TENSOR_PARTS)
             if unknown:  # a timeline tag outside the breakdown would be lost from the sum
                 raise AssertionError(f"timeline tags {sorted(unknown)} alive in a training step")
-        notes: list[str] = []
-        if PeftBnbTimeline(s, s.loop).math:
+        notes: list[str] = distributed_notes(s, self.name)
+        if timeline.math:
             notes.append(
                 "attention runs on SDPA's math backend (float32 inputs with grouped-query "
                 "attention): it stores batch x heads x seq^2 floats per layer"
@@ -243,6 +266,7 @@ class PeftBnb(FrameworkModel):
         )
         if s.arch.is_moe:
             details["unquantized_experts"] = unquantized_experts(s)
+        host = host_parts(s, timeline) if isinstance(timeline, FsdpTimeline) else {}
         return Footprint(
             phases=phases,
             allocator_cache=steady.reserved_peak - steady.allocated_peak,
@@ -253,13 +277,14 @@ class PeftBnb(FrameworkModel):
             step_reserved=reserved,
             unruled_block=block,
             context_high=HIGHEST_OUTSIDE_ALLOCATOR,
+            nccl=NCCL_WORKSPACE if s.distributed else 0,
+            host=host,
         )
 
     def lower_bound(self, s: TrainingSetup) -> int:
         """Most bytes alive at once in step 2 (rounded as the allocator rounds them), from the
         same events the replay takes, without the allocator: at most the allocated peak."""
-        timeline = PeftBnbTimeline(s, s.loop)
-        return live_peak(timeline.events(steps=2), from_step=2)
+        return live_peak(self.timeline(s).events(steps=2), from_step=2)
 
 
 def unruled_block(step_reserved: Sequence[int], largest_request: int) -> int:
@@ -325,6 +350,24 @@ def _moe_notes(s: TrainingSetup) -> list[str]:
 register_framework(PeftBnb())
 
 
+class NybbleTorch(PeftBnb):
+    """transformers + PEFT with nybble's torch layer (`nybble.torch`: `NybbleConfig`,
+    `register_lora`), on one GPU, under FSDP2 (`nybble.torch.distributed.shard_model`) or DDP
+    (`data_parallel`). Modelled as the PEFT + bitsandbytes replay with what nybble's recipe and
+    layer are known to change (`distributed.nybble_torch_recipe`): the model loaded in the
+    compute dtype without prepare_model_for_kbit_training's float32 copies; under FSDP2 the
+    4-bit weights sharded by rows with their scales and gathered as packed 4-bit data, the LoRA
+    parameters gathered in the compute dtype. The layer's own ops are bitsandbytes': W
+    dequantized whole in the compute dtype for each product, PEFT's LoRA branch (nybble's fused
+    `qlora_linear` is not modelled apart). Not yet measured."""
+
+    name = "nybble-torch"
+    description = "transformers + PEFT with nybble's torch layer (nybble.torch; FSDP2, DDP)"
+
+
+register_framework(NybbleTorch())
+
+
 # --- nybble's own GPU trainer -------------------------------------------------------------
 
 #: Bytes a process training with nybble on the GPU holds outside CuPy's pool (CUDA context,
@@ -354,6 +397,10 @@ class NybbleTrainer(FrameworkModel):
 
     name = "nybble"
     description = "nybble's GPU trainer (nybble.train.Trainer, CuPy)"
+    instead = (
+        "'nybble-torch' (nybble's torch layer under FSDP2 or DDP) or 'peft-bnb' "
+        "(bitsandbytes under FSDP1 or DDP)"
+    )
 
     MIN_STEPS = 3
     MAX_STEPS = 6
@@ -412,6 +459,7 @@ __all__ = [
     "NYBBLE_OUTSIDE_POOL",
     "Footprint",
     "FrameworkModel",
+    "NybbleTorch",
     "NybbleTrainer",
     "PeftBnb",
     "Phase",

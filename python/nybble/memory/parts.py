@@ -1,9 +1,12 @@
 """The named parts of an estimate's breakdown: every allocation of the replayed run carries one.
 
-The first nine are tensors the run allocates (`timeline` tags each allocation with one); the
-last two are what the GPU holds beyond them at the peak: the caching allocator's free blocks
-(`reserved - allocated`) and the process's memory outside the allocator (CUDA context and the
-kernel modules loaded by then, `runtime.OutsideAllocator`). They add up to `total_bytes`.
+The first eleven are tensors the run allocates (`timeline` tags each allocation with one; the
+last two of them, `gathered_params` and `comm_buffers`, only a run on several GPUs: FSDP's
+all-gathered layers, the reduce-scatter and DDP's gradient buckets, `distributed`); the last
+three are what the GPU holds beyond them at the peak: the caching allocator's free blocks
+(`reserved - allocated`), the process's memory outside the allocator (CUDA context and the
+kernel modules loaded by then, `runtime.OutsideAllocator`) and, on several GPUs, NCCL's own
+buffers (`distributed.NCCL_WORKSPACE`, an assumption). They add up to `total_bytes`.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ OPTIMIZER_STATES = "optimizer_states"
 ACTIVATIONS = "activations"
 LOGITS_LOSS = "logits_loss"
 RUNTIME_OVERHEAD = "runtime_overhead"
+GATHERED_PARAMS = "gathered_params"
+COMM_BUFFERS = "comm_buffers"
 ALLOCATOR_CACHE = "allocator_cache"
 OUTSIDE_ALLOCATOR = "outside_allocator"
+NCCL_WORKSPACE = "nccl_workspace"
 
 #: Loading's temporaries (bf16 copies before quantization, the loader's warm-up block): all
 #: freed before the first step, so never part of a step's breakdown.
@@ -35,10 +41,15 @@ TENSOR_PARTS = (
     ACTIVATIONS,
     LOGITS_LOSS,
     RUNTIME_OVERHEAD,
+    GATHERED_PARAMS,
+    COMM_BUFFERS,
 )
 
 #: The components of every breakdown, in display order; they add up to `total_bytes`.
-BREAKDOWN_KEYS = (*TENSOR_PARTS, ALLOCATOR_CACHE, OUTSIDE_ALLOCATOR)
+BREAKDOWN_KEYS = (*TENSOR_PARTS, ALLOCATOR_CACHE, OUTSIDE_ALLOCATOR, NCCL_WORKSPACE)
+
+#: The parts only a run on several GPUs has (0 in a single-GPU estimate).
+DISTRIBUTED_PARTS = (GATHERED_PARAMS, COMM_BUFFERS, NCCL_WORKSPACE)
 
 #: One line per part, for help texts and docs.
 DESCRIPTIONS = {
@@ -51,19 +62,26 @@ DESCRIPTIONS = {
     ACTIVATIONS: "saved activations, their gradients and the step's temporaries",
     LOGITS_LOSS: "logits, log-softmax and their gradients, labels",
     RUNTIME_OVERHEAD: "cuBLAS workspaces (PEFT); token ids, non-finite check slots (nybble)",
+    GATHERED_PARAMS: "FSDP: the all-gathered (unsharded) parameters of the units in flight",
+    COMM_BUFFERS: "FSDP's reduce-scatter buffers, DDP's gradient buckets",
     ALLOCATOR_CACHE: "free blocks the allocator (torch's, CuPy's pool) keeps at the peak",
     OUTSIDE_ALLOCATOR: "process memory outside the allocator (CUDA context, kernels)",
+    NCCL_WORKSPACE: "NCCL's own buffers, outside the allocator (an assumed constant)",
 }
 
 __all__ = [
     "ACTIVATIONS",
     "ALLOCATOR_CACHE",
     "BREAKDOWN_KEYS",
+    "COMM_BUFFERS",
     "DESCRIPTIONS",
+    "DISTRIBUTED_PARTS",
+    "GATHERED_PARAMS",
     "GRADIENTS",
     "LOAD",
     "LOGITS_LOSS",
     "LORA_PARAMS",
+    "NCCL_WORKSPACE",
     "OPTIMIZER_STATES",
     "OUTSIDE_ALLOCATOR",
     "QUANTIZED_WEIGHTS",

@@ -105,6 +105,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         rope_scaling=_LLAMA3_ROPE,
     ),
+    "llama-3.1-70b": dict(
+        model_type="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_scaling=_LLAMA3_ROPE,
+    ),
     "llama-2-7b": dict(
         model_type="llama",
         hidden_size=4096,

@@ -5,7 +5,9 @@ every training step, what a measurement of that step reports (`max_memory_reserv
 `max_memory_allocated()` with the counters reset at its start) and, at the moment of each
 phase's allocated peak, the allocated bytes of every part (the tags of the allocations then
 alive, counted as the allocator counts them: block sizes). The parts at a moment add up to
-the allocator's `allocated` at that moment, exactly.
+the allocator's `allocated` at that moment, exactly. A ("stream", n) event makes the
+allocations that follow come from stream n's pools (0, the default stream, unless told): the
+side streams of FSDP's collectives (`distributed`) keep their own cached blocks.
 
 `live_peak` is the fast lower bound the searches use: the same events walked without the
 allocator, each allocation counted at its rounded size, so it never exceeds the replayed
@@ -34,7 +36,7 @@ class Allocator(Protocol):
     @property
     def peak_reserved(self) -> int: ...
 
-    def malloc(self, nbytes: int) -> int: ...
+    def malloc(self, nbytes: int, stream: int = 0) -> int: ...
 
     def free(self, handle: int) -> None: ...
 
@@ -57,7 +59,7 @@ class StepPeaks:
     allocated_peak: int = 0
     #: phase name -> (allocated peak within that phase, allocated bytes by part at it)
     phases: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
-    #: the largest single request of the step (bytes asked for)
+    #: the largest single request of the step on the default stream (bytes asked for)
     largest_request: int = 0
 
     @property
@@ -83,6 +85,7 @@ class TaggedReplay:
         self._handles: dict[int, tuple[int, int, str]] = {}
         self._live: dict[str, int] = {}
         self._phase = "setup"
+        self._stream = 0
 
     def feed(self, events: Iterable[tuple[str, int, int]]) -> None:
         alloc = self.allocator
@@ -90,10 +93,11 @@ class TaggedReplay:
         step = self.steps[-1]
         phase = self._phase
         phase_peak = step.phases.get(phase, (0, {}))[0]
+        stream = self._stream
         for op, key, size in events:
             if op == "alloc":
                 try:
-                    handle = alloc.malloc(size)
+                    handle = alloc.malloc(size, stream) if stream else alloc.malloc(size)
                 except OutOfMemoryError:
                     raise ValueError(
                         f"the run would allocate one tensor of {size} bytes; no GPU holds "
@@ -103,7 +107,7 @@ class TaggedReplay:
                 tag = tags[key]
                 handles[key] = (handle, nbytes, tag)
                 live[tag] = live.get(tag, 0) + nbytes
-                if size > step.largest_request:
+                if size > step.largest_request and not stream:
                     step.largest_request = size
                 if alloc.allocated > phase_peak:
                     phase_peak = alloc.allocated
@@ -125,6 +129,8 @@ class TaggedReplay:
                 step = StepPeaks(key)
                 self.steps.append(step)
                 phase_peak = 0
+            elif op == "stream":
+                stream = key
             elif op == "empty_cache":
                 alloc.empty_cache()
             elif op == "reset_peak":
@@ -132,6 +138,7 @@ class TaggedReplay:
             else:
                 raise ValueError(f"unknown event {op!r}")
         self._phase = phase
+        self._stream = stream
         self._close(step)
 
     def _close(self, step: StepPeaks) -> None:

@@ -25,6 +25,13 @@ from .quant import (
 #: benchmarks/memory/measure_peft_bnb.py --loop benchmark.
 LOOPS = ("plain", "benchmark")
 
+#: How a run on several GPUs is spread (memory.distributed): "fsdp", torch's fully sharded
+#: data parallel (FSDP2's `fully_shard` for nybble's torch layer, FSDP1 for bitsandbytes), or
+#: "ddp", a whole replica on every GPU.
+STRATEGIES = ("fsdp", "ddp")
+#: The most GPUs an estimate takes (far beyond one host: the per-GPU figure is the same).
+MAX_GPUS = 4096
+
 #: Optimizers whose state the estimate knows.
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
 _OPTIMIZER_ALIASES = {
@@ -193,6 +200,27 @@ def _loop(loop: str) -> str:
     return key
 
 
+def parallelism(gpus: Any, strategy: Any, offload: Any) -> tuple[int, str | None, bool]:
+    """`gpus`, `strategy`, `offload` checked and completed: the strategy defaults to "fsdp"
+    when several GPUs (or offload) are asked for, and stays None for one GPU without one (the
+    single-GPU estimate)."""
+    n = _positive_int(gpus, "gpus", MAX_GPUS)
+    if strategy is not None and not isinstance(strategy, str):
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    key = None if strategy is None else strategy.strip().lower()
+    if key is not None and key not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+    off = _flag(offload, "offload")
+    if key is None and (n > 1 or off):
+        key = "fsdp"
+    if off and key == "ddp":
+        raise ValueError(
+            "offload is FSDP's CPU offload (the shards, gradients and optimizer states on the "
+            "host); DDP keeps a whole replica on every GPU: use strategy='fsdp' with offload"
+        )
+    return n, key, off
+
+
 def _flag(value: Any, name: str) -> bool:
     """True or False (numpy's too); anything else is refused rather than read by its truth:
     "no" and "false" are true."""
@@ -233,6 +261,16 @@ class TrainingSetup:
     loop: str = "plain"
     #: the fused expert parameters PEFT adapts too (`EXPERT_PARAMETERS`, or none)
     expert_targets: tuple[str, ...] = ()
+    #: GPUs the run is spread over, how (`STRATEGIES`, None: one GPU, no distributed
+    #: runtime), and whether FSDP offloads the shards to the host (memory.distributed)
+    gpus: int = 1
+    strategy: str | None = None
+    offload: bool = False
+
+    @property
+    def distributed(self) -> bool:
+        """Whether the run goes through torch.distributed (a strategy was given)."""
+        return self.strategy is not None
 
     @property
     def quantized(self) -> bool:
@@ -307,6 +345,9 @@ class TrainingSetup:
         grad_checkpointing: bool = True,
         compute_dtype: str = "bfloat16",
         loop: str = "plain",
+        gpus: int = 1,
+        strategy: str | None = None,
+        offload: bool = False,
     ) -> TrainingSetup:
         arch = resolve_model(model)
         if arch.num_layers > MAX_LAYERS:
@@ -343,6 +384,7 @@ class TrainingSetup:
                 "adapts its fused experts with lora.ParamWrapper, which refuses dropout; to "
                 "use dropout, target the attention only (targets='q_proj,k_proj,v_proj,o_proj')"
             )
+        n_gpus, strat, off = parallelism(gpus, strategy, offload)
         opt = str(optimizer).strip().lower()
         opt = _OPTIMIZER_ALIASES.get(opt, opt)
         if opt not in OPTIMIZERS:
@@ -363,6 +405,9 @@ class TrainingSetup:
             compute_dtype=normalize_dtype(compute_dtype, "compute_dtype"),
             loop=_loop(loop),
             expert_targets=experts,
+            gpus=n_gpus,
+            strategy=strat,
+            offload=off,
         )
 
     def with_(self, **changes: Any) -> TrainingSetup:
@@ -375,4 +420,11 @@ class TrainingSetup:
         for name in ("grad_checkpointing", "double_quant"):
             if name in changes:
                 _flag(changes[name], name)
+        if {"gpus", "strategy", "offload"} & set(changes):
+            gpus, strategy, offload = parallelism(
+                changes.get("gpus", self.gpus),
+                changes.get("strategy", self.strategy),
+                changes.get("offload", self.offload),
+            )
+            changes.update(gpus=gpus, strategy=strategy, offload=offload)
         return replace(self, **changes)

@@ -20,9 +20,17 @@ Two training loops are written (`LOOPS`), which differ in what the allocator see
   record: one batch made before training (ids, an all-ones attention mask, a copy of the ids
   as labels) and the config's `use_cache` (True), so without checkpointing transformers' KV
   cache keeps a copy of every layer's keys and values until the forward ends.
+
+A `Recipe` gives the dtypes the run keeps (`Recipe.standard`, the recipe above, unless told:
+nybble's torch layer and bitsandbytes under FSDP1 keep others, `distributed`). The hook
+methods of a step (`_forward_begins`, `_layer_backward_ends`, ...) do nothing here: the
+timeline of one GPU of a distributed run (`distributed`) writes FSDP's gathers and
+reduce-scatters there, on streams of their own (`Tape.stream`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .arch import ATTENTION_PROJECTIONS, SHARED_EXPERT_GATE
 from .parts import (
@@ -90,6 +98,43 @@ class Tape:
         """Training step `number` (1, 2, ...) starts; peak counters are reset."""
         self.events.append(("step", number, 0))
 
+    def stream(self, number: int) -> None:
+        """What follows is allocated on stream `number` (0, the default, unless told)."""
+        self.events.append(("stream", number, 0))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The dtypes a run keeps, in bytes an element: the unquantized weights as loaded
+    (`load`), whether `prepare_model_for_kbit_training` replaces them with float32 copies
+    (`upcast`), the residual stream (`residual`), the LoRA parameters as stored (`lora`) and as
+    computed with (`lora_compute`: FSDP2's mixed precision gathers them in the compute dtype).
+    `cast_logits`: the head's logits come out in the residual's dtype and the loss casts them to
+    float32 (a run without the up-cast); the standard recipe's are float32 already."""
+
+    load: int
+    upcast: bool
+    residual: int
+    lora: int
+    lora_compute: int
+    cast_logits: bool = False
+
+    @classmethod
+    def standard(cls, s: TrainingSetup) -> Recipe:
+        """The single-GPU recipe of docs/estimator.md: a 4-bit base loaded in bf16, its other
+        weights made float32 by prepare_model_for_kbit_training (so the residual stream is
+        float32); a float base kept as it is; the LoRA parameters in `lora_dtype`."""
+        lb = FLOAT_FORMATS[s.lora_dtype]
+        if s.quantized:
+            return cls(load=2, upcast=True, residual=4, lora=lb, lora_compute=lb)
+        width = FLOAT_FORMATS[s.quant]
+        return cls(load=width, upcast=False, residual=width, lora=lb, lora_compute=lb)
+
+    @property
+    def unquantized(self) -> int:
+        """Bytes of an unquantized weight in training."""
+        return 4 if self.upcast else self.load
+
 
 class _Saved:
     """What one layer keeps for backward; under no_grad (checkpointed forward) nothing."""
@@ -115,7 +160,7 @@ class _Saved:
 class PeftBnbTimeline:
     """The event sequence of the protocol's recipe for one setup (see the module docstring)."""
 
-    def __init__(self, s: TrainingSetup, loop: str = "plain") -> None:
+    def __init__(self, s: TrainingSetup, loop: str = "plain", recipe: Recipe | None = None) -> None:
         if loop not in LOOPS:
             raise ValueError(f"unknown training loop {loop!r} (known: {', '.join(LOOPS)})")
         a = s.arch
@@ -127,8 +172,10 @@ class PeftBnbTimeline:
         self.steps_done = 0
         self.input_ids: int | None = None
         self.t = s.tokens
-        self.e = 4 if s.quantized else FLOAT_FORMATS[s.quant]  # residual stream bytes
-        self.lb = FLOAT_FORMATS[s.lora_dtype]
+        self.recipe = recipe if recipe is not None else Recipe.standard(s)
+        self.e = self.recipe.residual  # residual stream bytes
+        self.lb = self.recipe.lora_compute  # the LoRA branch's tensors and its gradients
+        self.lp = self.recipe.lora  # the LoRA parameters and their optimizer states
         self.shapes = a.linear_shapes()
         self.targets = set(s.targets)
         self.math = self.e == 4 and a.is_gqa  # SDPA's math backend (see PeftBnb)
@@ -139,7 +186,7 @@ class PeftBnbTimeline:
 
     def setup(self) -> None:
         s, a, tp = self.s, self.a, self.tape
-        up = 2 if s.quantized else FLOAT_FORMATS[s.quant]
+        up = self.recipe.load
         load = 2 * (a.embedding_params + a.lm_head_params + a.hidden_size)
         for layer in range(a.num_layers):
             load += 2 * (sum(a.norm_sizes()) + sum(a.linear_biases(layer).values()))
@@ -183,7 +230,7 @@ class PeftBnbTimeline:
         # prepare_model_for_kbit_training: float32 copies of every unquantized parameter, in
         # the order of model.parameters(): the embeddings, then layer by layer (the attention's
         # q/k norms, the MLP's router and experts, the two norms), the final norm, lm_head
-        if s.quantized:
+        if self.recipe.upcast:
             self._upcast(embed, a.embedding_params)
             sizes = a.norm_sizes()
             shapes3 = a.expert_shapes()
@@ -203,7 +250,7 @@ class PeftBnbTimeline:
         # PEFT: A and B of every target, float32 unless told otherwise; the linear layers
         # first, then the expert parameters (`lora.ParamWrapper`, a second pass)
         for n in self._lora_setup_order():
-            tp.new(self.lb * n, LORA_PARAMS)
+            tp.new(self.lp * n, LORA_PARAMS)
         tp.tag = ACTIVATIONS
         if self.loop == "benchmark":
             for _ in range(3):  # input_ids, attention_mask, labels: made once, kept
@@ -894,13 +941,16 @@ class PeftBnbTimeline:
             ids = tp.new(8 * t)
             tp.free(self.input_ids)
             self.input_ids = ids
+        self._forward_begins()
         self.cache: list[int] = []
         x = tp.new(e * t * h)  # embedding output
         self._workspace(0)  # the rotary embedding's matmul is the forward's first
         rope = self._rotary_tables()
         inputs, saved = [x], []
         for layer in range(a.num_layers):
+            self._layer_forward_begins(layer)
             out, sv = self.layer_forward(inputs[-1], layer, grad=not gc)
+            self._layer_forward_ends(layer)
             saved.append(sv)
             inputs.append(out)
         last = inputs[-1]
@@ -910,20 +960,29 @@ class PeftBnbTimeline:
             tp.free(x)  # the embedding output: no layer saved it, the model returns
         tp.phase("loss")
         tp.tag = LOGITS_LOSS
+        head_out = tp.new(e * t * v) if self.recipe.cast_logits else None
         logits = tp.new(4 * t * v)
         tp.temp(8 * t)  # padded labels
         shifted = tp.new(8 * t)
         logp = tp.new(4 * t * v)
         tp.free(xf, logits)
+        # the model's output (and its logits) dies once the loss is taken from it
+        tp.free(head_out)
         for layer_kv in reversed(list(zip(self.cache[::2], self.cache[1::2], strict=True))):
             tp.free(*layer_kv)  # the cache goes last layer first
+        self._forward_ends()
         # backward (its own thread): cross-entropy and lm_head
+        self._backward_begins()
         gnll = tp.new(4 * t * v)
         tp.free(shifted)
         glogits = tp.new(4 * t * v)
         tp.free(gnll, logp)
         tp.tag = ACTIVATIONS
-        gxf = tp.new(4 * t * h)
+        if self.recipe.cast_logits:  # the cast's backward, then the head's in its dtype
+            gb = tp.new(e * t * v, LOGITS_LOSS)
+            tp.free(glogits)
+            glogits = gb
+        gxf = tp.new((e if self.recipe.cast_logits else 4) * t * h)
         self._workspace(1)
         tp.free(glogits)
         tp.phase("backward")
@@ -932,16 +991,19 @@ class PeftBnbTimeline:
         grad: int | None = g
         for layer in reversed(range(a.num_layers)):
             assert grad is not None  # only layer 0's backward without checkpoints ends it
+            self._layer_backward_begins(layer)
             if gc:
                 out, sv = self.layer_forward(inputs[layer], layer, grad=True)
                 grad_in = self.layer_backward(grad, sv, layer, hold_g=True)
                 tp.free(out, grad)
             else:
                 grad_in = self.layer_backward(grad, saved[layer], layer, hold_g=False)
+            self._layer_backward_ends(layer)
             grad = grad_in
             if layer > 0 or gc:
                 tp.free(inputs[layer])
         tp.free(grad, *rope)
+        self._backward_ends()
         tp.phase("optimizer step")
         self._optimizer(first)
 
@@ -958,16 +1020,47 @@ class PeftBnbTimeline:
         tp.free(angles)
         return tables
 
+    # --- what a distributed runtime adds (memory.distributed): nothing on one GPU ----------
+
+    def _forward_begins(self) -> None:
+        """The model is called (after the step's input ids exist)."""
+
+    def _forward_ends(self) -> None:
+        """The model's forward (the loss included) has returned."""
+
+    def _backward_begins(self) -> None:
+        """The gradient reaches the loss."""
+
+    def _layer_forward_begins(self, layer: int) -> None:
+        """Decoder layer `layer`'s forward starts."""
+
+    def _layer_forward_ends(self, layer: int) -> None:
+        """Decoder layer `layer`'s forward has returned."""
+
+    def _layer_backward_begins(self, layer: int) -> None:
+        """The gradient reaches decoder layer `layer` (before its recomputation, if any)."""
+
+    def _layer_backward_ends(self, layer: int) -> None:
+        """Decoder layer `layer`'s backward is done: its LoRA gradients are in `lora_grads`."""
+
+    def _backward_ends(self) -> None:
+        """The backward pass is over (before the optimizer step)."""
+
+    def _optimizer_tensors(self) -> list[int]:
+        """Element counts of the parameters the optimizer steps on this GPU."""
+        return self.s.lora_tensors()
+
     def _optimizer(self, first: bool) -> None:
         s, tp = self.s, self.tape
+        params = self._optimizer_tensors()
         if first:  # the states, made at the first step and kept
-            for n in s.lora_tensors():
-                for state in optimizer_states(s.optimizer, n, self.lb):
+            for n in params:
+                for state in optimizer_states(s.optimizer, n, self.lp):
                     tp.new(state, OPTIMIZER_STATES)
         temps = [
             tp.new(b, OPTIMIZER_STATES)
-            for n in s.lora_tensors()
-            for b in optimizer_temporaries(s.optimizer, n, self.lb)
+            for n in params
+            for b in optimizer_temporaries(s.optimizer, n, self.lp)
         ]
         tp.free(*temps)
         tp.free(*self.lora_grads)  # zero_grad(set_to_none=True)
@@ -986,4 +1079,4 @@ def peft_bnb_events(s: TrainingSetup, loop: str = "plain", steps: int = 2) -> li
     return PeftBnbTimeline(s, loop).events(steps)
 
 
-__all__ = ["CUBLAS_WORKSPACE", "LOOPS", "PeftBnbTimeline", "Tape", "peft_bnb_events"]
+__all__ = ["CUBLAS_WORKSPACE", "LOOPS", "PeftBnbTimeline", "Recipe", "Tape", "peft_bnb_events"]
