@@ -21,6 +21,8 @@ typedef unsigned short u16;
 #define FLASH_LOG2E 1.4426950408889634f
 #define FLASH_NEG_INF __int_as_float(0xff800000)
 
+// The PTX helpers. The CPU emulator the tests run these kernels in (tests/cuda_emulator/emu.h)
+// defines FLASH_EMULATE and its own.
 #ifndef FLASH_EMULATE
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
@@ -63,28 +65,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 #define FLASH_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
-#else
-inline u32 smem_u32(const void* p) { return (u32)((const unsigned char*)p - emu::g_smem); }
-inline void cp_async16(u32 dst, const void* src, bool valid) {
-    emu::cp_async16(emu::g_smem + dst, src, valid);
-}
-inline void cp_async_commit() { emu::cp_async_commit(); }
-template <int N>
-inline void cp_async_wait() {
-    emu::cp_async_wait(N);
-}
-inline void ldsm(u32 (&r)[4], u32 a) { emu::ldsm(r, emu::g_smem + a, false); }
-inline void ldsm_t(u32 (&r)[4], u32 a) { emu::ldsm(r, emu::g_smem + a, true); }
-inline void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) { emu::mma(d, a, b0, b1); }
-inline u16 flash_bf16(float f) {
-    u32 u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (u16)(u >> 16);
-}
-inline u32 pack_bf16(float lo, float hi) {
-    return (u32)flash_bf16(lo) | ((u32)flash_bf16(hi) << 16);
-}
-#define FLASH_SMEM(name) unsigned char* name = emu::g_smem
 #endif
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
