@@ -125,6 +125,13 @@ ARGUMENTS: dict[str, list[Any]] = {
     "context": [None, 0, "751MiB", "1GB", -1, "-1GB", "1e999", 2**80, float("nan"), "x"],
     "gpu": [None, "rtx4090", "h100", "24GB", "0GB", 24, 0, -1, 2**80, "9" * 40, "gpu?", 1.5],
 }
+#: estimate_memory's arguments for several GPUs (read by the whole estimate only).
+SEVERAL_GPUS: dict[str, list[Any]] = {
+    "gpus": [1, 2, 4, 8, 3, 0, -1, 2**40, 1.5, 2.0, "2", True, None],
+    "strategy": ["fsdp", "ddp", "FSDP", "zero3", "", None, 1],
+    "offload": [True, False, 1, "yes", None],
+    "framework": ["nybble-torch", "peft-bnb", "nybble"],
+}
 
 
 @dataclass
@@ -217,6 +224,13 @@ def generate(rng: np.random.Generator) -> EstimatorCase:
         parts.append(what)
     # The whole estimate for one case in twenty, and wherever an argument only it reads is set.
     full = bool(rng.random() < 0.05) or bool({"framework", "context", "gpu"} & set(arguments))
+    # Several GPUs, drawn last so that the cases recorded before keep every draw they made.
+    if rng.random() < 0.1:
+        several = {k: pick(rng, v) for k, v in SEVERAL_GPUS.items() if rng.random() < 0.6}
+        if several:
+            arguments.update(several)
+            parts.append(f"several GPUs {several}")
+            full = True
     return EstimatorCase(text, arguments, full, f"{name}: {'; '.join(parts) or 'unchanged'}")
 
 
@@ -244,7 +258,8 @@ class Runner:
 def _setup_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
     """The arguments TrainingSetup.create takes (estimate_memory's others are checked when the
     whole estimate runs)."""
-    return {k: v for k, v in arguments.items() if k not in ("framework", "context", "gpu")}
+    whole_estimate_only = ("framework", "context", "gpu", *SEVERAL_GPUS)
+    return {k: v for k, v in arguments.items() if k not in whole_estimate_only}
 
 
 def _int_like(value: Any) -> bool:
