@@ -75,6 +75,16 @@ def finish_temporary(path: Path, mode: int | None = None) -> None:
         os.close(fd)
 
 
+def fsync_directory(path: Path) -> None:
+    """Flushes a directory's entries (the renames in it) to disk, where the system can."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def write_temporary(target: str | os.PathLike[str], data: bytes, mode: int | None = None) -> Path:
     """Writes `data` to a new temporary beside `target` (flushed, with a normal file's mode
     or `mode`) and returns its path, for `replace_file`; nothing is left behind on failure."""

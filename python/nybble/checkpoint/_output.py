@@ -32,7 +32,13 @@ from typing import Any
 import numpy as np
 
 from .._checkpoint_io.source import INDEX_FILE, SINGLE_FILE, ExtraFile
-from .._files import new_directory_mode, remove_stale_temporaries, replace_file, write_temporary
+from .._files import (
+    fsync_directory,
+    new_directory_mode,
+    remove_stale_temporaries,
+    replace_file,
+    write_temporary,
+)
 from ..errors import FormatError
 from ..safetensors_io import Entry, StreamWriter
 
@@ -97,7 +103,7 @@ class OutputDirectory:
 
     def commit(self) -> None:
         """Puts the staging directory in place of the target (atomically)."""
-        _fsync_directory(self.staging)
+        fsync_directory(self.staging)
         if not os.path.lexists(self.target):
             _rename(self.staging, self.target, _RENAME_NOREPLACE)
         elif not self.overwrite:
@@ -116,7 +122,7 @@ class OutputDirectory:
             os.replace(self.target, old / "old")
             os.rename(self.staging, self.target)
             self.staging = old
-        _fsync_directory(self.target.parent)
+        fsync_directory(self.target.parent)
         self._done = True
         _remove(self.staging)
 
@@ -162,15 +168,6 @@ def _libc() -> Any:
         except OSError:
             _LIBC.append(None)
     return _LIBC[0]
-
-
-def _fsync_directory(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _remove(path: Path) -> None:

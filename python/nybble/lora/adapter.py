@@ -13,7 +13,6 @@ of two saves put together by hand are refused on load instead of loading silentl
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +27,7 @@ import numpy as np
 from .. import backends, safetensors_io
 from .._checkpoint_io import Checkpoint, find_groups, load_group
 from .._files import (
+    fsync_directory,
     remove_stale_temporaries,
     replace_file,
     temporary_directory,
@@ -258,7 +258,7 @@ class LoraAdapter:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        _fsync_directory(target)
+        fsync_directory(target)
         _finish_pending(target)
 
     @classmethod
@@ -494,7 +494,7 @@ def _write_files(
     weights = directory / WEIGHTS_FILE
     replace_file(safetensors_io.save_temporary(tensors, weights, metadata), weights)
     replace_file(write_temporary(directory / CONFIG_FILE, config), directory / CONFIG_FILE)
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _pending(directory: Path) -> list[str]:
@@ -524,17 +524,7 @@ def _finish_pending(directory: Path) -> None:
     for name in _pending(directory):  # the weights first, as a save moves them
         os.replace(pending / name, directory / name)
     shutil.rmtree(pending, ignore_errors=True)
-    _fsync_directory(directory)
-
-
-def _fsync_directory(path: Path) -> None:
-    """Flushes a directory's entries (the renames in it) to disk, where the system can."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fsync_directory(directory)
 
 
 def _check_pair(metadata: dict[str, str], config_path: Path, weights_path: Path) -> None:

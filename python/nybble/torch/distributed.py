@@ -36,6 +36,7 @@ from torch import nn
 
 from .._files import (
     finish_temporary,
+    fsync_directory,
     new_file_mode,
     remove_stale_temporaries,
     temporary_directory,
@@ -531,23 +532,14 @@ def _write_adapter(
             finish_temporary(staging / name, new_file_mode())
         if not target.exists():
             os.rename(staging, target)  # the new directory appears whole
-            _fsync_directory(target.parent)
+            fsync_directory(target.parent)
             return
         remove_stale_temporaries(target, (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
         for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):  # each file replaced whole
             os.replace(staging / name, target / name)
-        _fsync_directory(target)
+        fsync_directory(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _fsync_directory(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 __all__ = [
