@@ -68,6 +68,16 @@ impl<'a> MatRef<'a> {
         })
     }
 
+    /// The view as the products take it: its first element's address and its strides
+    /// (in bounds where `check` passed).
+    fn strided(&self) -> Strided<*const f32> {
+        Strided {
+            ptr: self.data.as_ptr().wrapping_add(self.offset),
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+        }
+    }
+
     /// Checks that every element lies inside `data`.
     pub fn check(&self, what: &str) -> Result<()> {
         check_extent(
@@ -277,16 +287,8 @@ pub fn matmul_at(
                 row_stride: c.row_stride,
                 col_stride: c.col_stride,
             },
-            Strided {
-                ptr: a.data.as_ptr().add(a.offset),
-                row_stride: a.row_stride,
-                col_stride: a.col_stride,
-            },
-            Strided {
-                ptr: b.data.as_ptr().add(b.offset),
-                row_stride: b.row_stride,
-                col_stride: b.col_stride,
-            },
+            a.strided(),
+            b.strided(),
             alpha,
             accumulate,
             threads(work),
@@ -365,16 +367,8 @@ impl<'a> ColumnBlocks<'a> {
                 row_stride: self.row_stride,
                 col_stride: self.col_stride,
             },
-            Strided {
-                ptr: a.data.as_ptr().add(a.offset),
-                row_stride: a.row_stride,
-                col_stride: a.col_stride,
-            },
-            Strided {
-                ptr: b.data.as_ptr().add(b.offset),
-                row_stride: b.row_stride,
-                col_stride: b.col_stride,
-            },
+            a.strided(),
+            b.strided(),
             alpha,
             accumulate,
             1,
