@@ -1,10 +1,11 @@
 """nybble.torch on CUDA (marked `gpu`: skipped without a GPU and CuPy, or without a CUDA
 build of torch): the operators against the CPU's (dequantize and quantize bit for bit, the
 products within their dtype's rounding) through the fused GEMV (up to 8 tokens) and the
-dequantize + cuBLAS path, opcheck on CUDA, launches on torch's current stream (a side
-stream too) with temporaries from torch's allocator (CuPy's pool does not grow), capture in
-a CUDA graph and replay, torch.compile, a PEFT QLoRA step on a tiny Llama, and, where
-bitsandbytes is importable, parity with its Linear4bit."""
+dequantize + cuBLAS path, the 16-bit route (`nybble.torch._fastpath`) against the backend
+route and Linear4bit's direct call against the op, opcheck on CUDA, launches on torch's
+current stream (a side stream too) with temporaries from torch's allocator (CuPy's pool
+does not grow), capture in a CUDA graph and replay, torch.compile, a PEFT QLoRA step on a
+tiny Llama, and, where bitsandbytes is importable, parity with its Linear4bit."""
 
 from __future__ import annotations
 
@@ -135,6 +136,86 @@ def test_qlora_linear_matches_torch(dtype: Any, m: int) -> None:
     for got, ref in zip((x, a, b), twins, strict=True):
         scale = float(ref.grad.abs().max())
         torch.testing.assert_close(got.grad.float(), ref.grad, rtol=tol, atol=tol * scale)
+
+
+def backend_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops on the backend route (CuPy views, the backend's launches and cuBLAS)."""
+    from nybble.torch import _fastpath
+
+    monkeypatch.setattr(_fastpath, "_unavailable", True)
+    monkeypatch.setattr(_fastpath, "direct", lambda x: False)
+
+
+@pytest.mark.parametrize("dq", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_the_16bit_route_equals_the_backend_route(
+    dq: bool, dtype: Any, m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast route's products (the same kernels, torch's GEMMs for cuBLAS through CuPy)
+    against the backend route: the GEMV and the dequantized weight bit for bit, the rest
+    to the rounding of the activations' dtype."""
+    from nybble.torch import _fastpath
+
+    w, _ = weight_args(dq)
+    assert _fastpath.prepared(nt._ops.weight("matmul", *w)) is not None
+    gen = torch.Generator(device=CUDA).manual_seed(m)
+    x = torch.randn(m, IN, dtype=dtype, device=CUDA, generator=gen, requires_grad=True)
+    g = torch.randn(m, OUT, dtype=dtype, device=CUDA, generator=gen)
+    keep = torch.nn.functional.dropout(torch.ones(m, IN, dtype=dtype, device=CUDA), 0.1)
+    a = (torch.randn(R, IN, device=CUDA, generator=gen) * 0.05).requires_grad_()
+    b = (torch.randn(OUT, R, device=CUDA, generator=gen) * 0.05).requires_grad_()
+    bias = torch.randn(OUT, dtype=dtype, device=CUDA, generator=gen)
+
+    def run() -> list[Any]:
+        y = ops.qlora_linear(x, keep, *w, a, b, 2.0, bias)
+        grads = torch.autograd.grad(y, (x, a, b), g)
+        with torch.no_grad():
+            plain = [ops.matmul(x, *w), ops.matmul_t(g, *w), ops.dequantize(*w, dtype)]
+        return [*plain, y.detach(), *grads]
+
+    fast = run()
+    with monkeypatch.context() as patch:
+        backend_route(patch)
+        slow = run()
+    assert torch.equal(fast[2], slow[2])  # the dequantize kernel
+    if m <= 8:
+        assert torch.equal(fast[0], slow[0])  # the fused GEMV
+    for got, want in zip(fast, slow, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2 * scale)
+
+
+def test_linear4bit_calls_its_kernels_directly_where_autograd_does_not_follow() -> None:
+    """Without autograd to follow, a 16-bit CUDA call of Linear4bit skips the op's dispatch:
+    the same values as the op; with x requiring grad it goes through the op."""
+    _, q = weight_args(True)
+    layer = nt.Linear4bit.from_nf4(q, bias=torch.randn(OUT), device=CUDA)
+    for m in (1, 3, 40):
+        x = torch.randn(2, m, IN, device=CUDA, dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = layer(x)
+            want = ops.matmul(x, *layer.weight_args()) + layer.bias.to(x.dtype)
+        assert got.shape == (2, m, OUT) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        xg = x.clone().requires_grad_()
+        y = layer(xg)
+        assert y.grad_fn is not None
+        torch.testing.assert_close(y.detach(), want, rtol=1e-2, atol=1e-2)
+    assert layer._kept().fast is not False
+
+
+def test_autocast_to_another_dtype_leaves_the_products_in_the_activations_dtype() -> None:
+    w, _ = weight_args(True)
+    x = torch.randn(20, IN, device=CUDA, dtype=torch.bfloat16)
+    a = torch.randn(R, IN, device=CUDA) * 0.05
+    b = torch.randn(OUT, R, device=CUDA) * 0.05
+    want = ops.qlora_linear(x, None, *w, a, b, 2.0, None)
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = ops.qlora_linear(x, None, *w, a, b, 2.0, None)
+    assert got.dtype == torch.bfloat16  # not recast to float16 inside the op
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
 def test_runs_on_torchs_current_stream_with_torchs_memory() -> None:

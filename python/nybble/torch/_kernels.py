@@ -4,11 +4,16 @@ backend's arrays without a copy:
 
 - the CPU: numpy views of the tensors (`Tensor.numpy()`), the work done by the Rust core
   (nybble.backends.cpu: SIMD dequantize, tiled products with a quantized weight, GEMM);
-- CUDA: CuPy views of the tensors' memory, the work done by kernels/nf4.cu and cuBLAS,
-  launched on torch's current stream (CuPy's current stream is set to it), with every
-  temporary the backend allocates taken from torch's caching allocator on that stream. So
-  nothing waits for the device, a CUDA graph that torch captures holds nybble's launches,
-  and its allocations come from the graph's pool like torch's own.
+- CUDA, 16-bit activations (float16, bfloat16): `_fastpath`, nybble's kernels launched
+  through the core's launcher with torch tensors' addresses on torch's current stream, every
+  dense product made by torch itself (no CuPy on the per-call path);
+- CUDA otherwise (float32, float64, weights whose arrays are not contiguous and aligned):
+  CuPy views of the tensors' memory, the work done by kernels/nf4.cu and cuBLAS, launched on
+  torch's current stream (CuPy's current stream is set to it), with every temporary the
+  backend allocates taken from torch's caching allocator on that stream.
+
+Either way nothing waits for the device, a CUDA graph that torch captures holds nybble's
+launches, and its allocations come from the graph's pool like torch's own.
 
 The outputs are torch tensors the op allocates and hands to the backend as `out`. Dtypes: the
 CPU multiplies in float32 (16-bit activations are widened for the product and the result
@@ -32,6 +37,7 @@ import torch
 
 from .. import backends, formats
 from ..formats import BFLOAT16, Codebook, NestedAbsmax, Packed
+from . import _fastpath
 
 #: Bytes of float32 weight a float64 product dequantizes at a time.
 TILE_BYTES = 16 << 20
@@ -377,6 +383,10 @@ def quantize(x: torch.Tensor, blocksize: int, codebook: str) -> tuple[torch.Tens
 
 
 def dequantize(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    if w.codes.is_cuda:
+        fast = _fastpath.prepared(w)
+        if fast is not None:
+            return _fastpath.dequantize(fast, dtype)
     dev = device_of(w.codes)
     out = torch.empty(w.shape, dtype=dtype, device=w.codes.device)
     with dev.running(out.device):
@@ -387,6 +397,12 @@ def dequantize(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: Weight, transpose: bool) -> torch.Tensor:
     """x @ W.T ([..., in] -> [..., out]) or, not `transpose`, x @ W ([..., out] -> [..., in])."""
+    if x.is_cuda and x.dtype in _fastpath.HALF:
+        fast = _fastpath.prepared(w)
+        if fast is not None:
+            y = _fastpath.matmul(fast, x, transpose)
+            if y is not None:
+                return y
     dev = device_of(x)
     width = w.rows if transpose else w.cols
     lead = tuple(x.shape[:-1])
@@ -407,7 +423,14 @@ def qlora_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """y = x Wᵀ + s·(x ⊙ keep) Aᵀ Bᵀ (+ bias): s·h·Bᵀ first, then the base product adds itself
-    to it inside its GEMM (nybble.lora's order)."""
+    to it inside its GEMM (nybble.lora's order; `_fastpath` adds the adapter's product to
+    the base product's instead)."""
+    if x.is_cuda and x.dtype in _fastpath.HALF:
+        fast = _fastpath.prepared(w)
+        if fast is not None:
+            y = _fastpath.qlora_linear(fast, x, keep, lora_a, lora_b, scaling, bias)
+            if y is not None:
+                return y
     dev = device_of(x)
     lead = tuple(x.shape[:-1])
     with dev.running(x.device):
@@ -438,6 +461,12 @@ def qlora_linear_backward(
     """(dL/dx, dL/dA, dL/dB) of `qlora_linear`: h = (x ⊙ keep) Aᵀ recomputed ([m, r], cheap),
     dB = s·dyᵀh, dh = s·dy B, dA = dhᵀ(x ⊙ keep), dx = (dh A) ⊙ keep + dy W, the last inside
     the base product's GEMM. A and B's gradients are float32 sums in their own dtype."""
+    if x.is_cuda and x.dtype in _fastpath.HALF:
+        fast = _fastpath.prepared(w)
+        if fast is not None:
+            grads = _fastpath.qlora_linear_backward(fast, grad_y, x, keep, lora_a, lora_b, scaling)
+            if grads is not None:
+                return grads
     dev = device_of(x)
     lead = tuple(x.shape[:-1])
     with dev.running(x.device):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from .. import bnb, formats
 from ..errors import FormatError
 from ..formats import NESTED_BLOCKSIZE
 from ..tensor import NF4Tensor
-from . import _ops  # registers torch.ops.nybble
+from . import _fastpath, _ops  # _ops registers torch.ops.nybble
 from ._packed import Layout, NF4Weight
 
 #: The quant types bitsandbytes' 4-bit state may name; the layer holds NF4.
@@ -270,6 +271,7 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         """Installs codes (uint8, nybble's packing) and scales (float32, or uint8 nested codes
         with float32 absmax2) as this layer's, replacing the tensors (so any cached launch
         state keyed on the old addresses is never reused for new values)."""
+        self._forget()
         self.weight = nn.Parameter(
             _stored(codes.reshape(-1).contiguous(), self.quant_storage), requires_grad=False
         )
@@ -364,7 +366,26 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
 
     def weight_args(self) -> tuple[Any, ...]:
         """The weight as the ops take it: (codes, absmax, absmax2, offset, shape, blocksize,
-        codebook)."""
+        codebook). The checks run once for the tensors the layer holds (`_kept`); a later
+        call over the same tensors only makes the views."""
+        if not torch.compiler.is_compiling():
+            kept = self._kept()
+            if kept is not None and kept.plain:
+                w: Any = self._parameters["weight"]
+                absmax: Any = self._buffers["absmax"]
+                absmax2 = self._buffers["absmax2"]
+                return (
+                    w.view(-1),
+                    absmax.view(torch.float32) if absmax2 is None else absmax,
+                    None if absmax2 is None else absmax2.view(torch.float32),
+                    self.offset,
+                    [self.out_features, self.in_features],
+                    self.blocksize,
+                    QUANT_TYPE,
+                )
+        return self._weight_args()
+
+    def _weight_args(self) -> tuple[Any, ...]:
         codes, scales, absmax2 = self._arrays()
         return (
             codes,
@@ -375,6 +396,49 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
             self.blocksize,
             QUANT_TYPE,
         )
+
+    def _kept(self) -> _Kept | None:
+        """What this layer keeps of its checked weight while it holds the same tensors at the
+        same addresses (`_Kept`), made by checking them (the errors of `_arrays` raised);
+        None while the weight is not a plain parameter (packed, sharded): those are read and
+        checked per call."""
+        w = self._parameters.get("weight")
+        if type(w) is not nn.Parameter:
+            return None
+        absmax, absmax2 = self._buffers.get("absmax"), self._buffers.get("absmax2")
+        state = (
+            w.data_ptr(),
+            w.numel(),
+            w.dtype,
+            w.is_cuda,
+            None if absmax is None else (absmax.data_ptr(), absmax.numel(), absmax.dtype),
+            None if absmax2 is None else (absmax2.data_ptr(), absmax2.numel(), absmax2.dtype),
+            self.offset,
+            self.blocksize,
+            self.quant_storage,
+        )
+        kept: _Kept | None = self.__dict__.get("_nybble_kept")
+        if (
+            kept is not None
+            and kept.state == state
+            and kept.weight() is w
+            and kept.absmax() is absmax
+            and kept.absmax2() is absmax2
+        ):
+            return kept
+        self._weight_args()  # the checks, raising what they find
+        kept = _Kept(w, absmax, absmax2, state)
+        self.__dict__["_nybble_kept"] = kept
+        return kept
+
+    def _forget(self) -> None:
+        """Drops what `_kept` holds (the weight's tensors are being replaced or moved)."""
+        self.__dict__.pop("_nybble_kept", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
+        state.pop("_nybble_kept", None)  # weak references and launches: made again on use
+        return state
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [out_features, in_features] dequantized (by default to `weight_dtype`)."""
@@ -390,10 +454,31 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         dtype = x.dtype
         if self.compute_dtype is not None and dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
-        y = torch.ops.nybble.matmul(x, *self.weight_args())
+        y = None
+        if not torch.compiler.is_compiling() and _fastpath.direct(x):
+            y = self._direct(x)
+        if y is None:
+            y = torch.ops.nybble.matmul(x, *self.weight_args())
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y if y.dtype == dtype else y.to(dtype)
+
+    def _direct(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W.T without the op's dispatch, for eager 16-bit CUDA calls that autograd will
+        not follow (`_fastpath.direct`): the same kernels and products as the op's CUDA
+        route, through the weight's launches prepared once (kept in `_kept`). None where the
+        op must take the call (its checks then say what is wrong)."""
+        kept = self._kept()
+        if kept is None:
+            return None
+        fast = kept.fast
+        if fast is None:
+            weight = _ops.weight("matmul", *self.weight_args())
+            made = _fastpath.prepared(weight) if weight.codes.is_cuda else None
+            fast = kept.fast = False if made is None else made
+        if fast is False:
+            return None
+        return _fastpath.linear(fast, x)
 
     def extra_repr(self) -> str:
         dq = ", double_quant=True" if self.double_quant else ""
@@ -416,6 +501,7 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
             raise ValueError(f"quant_storage must be one of {names}, got {dtype}")
         if isinstance(self.weight, NF4Weight):
             self.unpack_()
+        self._forget()
         if self.weight.device.type == "meta":
             self.quant_storage = dtype
             return self
@@ -431,6 +517,7 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         if isinstance(self.weight, NF4Weight):
             return self
         codes, scales, absmax2 = self._arrays()
+        self._forget()
         layout = self.nf4_layout()
         self.weight = nn.Parameter(
             NF4Weight.from_arrays(layout, codes.clone(), scales.clone(), _clone(absmax2)),
@@ -466,6 +553,7 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """Module casts and moves (`.to()`, `.cuda()`, `.half()`, ...) move a float-stored
         weight's bytes without converting them (they are codes, not values)."""
+        self._forget()
         w = self._parameters.get("weight")
         if w is None or w.dtype == torch.uint8 or isinstance(w, NF4Weight) or w.is_meta:
             return super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
@@ -600,6 +688,42 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
                 if head == "bias" and not tail and self.bias is not None:
                     continue
                 unexpected_keys.append(k)
+
+
+class _Kept:
+    """What a `Linear4bit` keeps of its checked weight (`Linear4bit._kept`): weak references
+    to the tensors it checked and their addresses, sizes and dtypes with the layer's format,
+    so that it never keeps memory alive and goes stale once any of them changes; and, made on
+    the first direct call, the weight's prepared CUDA launches (`_fastpath.FastWeight`, which
+    holds addresses, not tensors; False where that route does not take the weight)."""
+
+    __slots__ = ("absmax", "absmax2", "fast", "plain", "state", "weight")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        absmax: torch.Tensor | None,
+        absmax2: torch.Tensor | None,
+        state: tuple[Any, ...],
+    ) -> None:
+        self.weight = weakref.ref(weight)
+        self.absmax = _none if absmax is None else weakref.ref(absmax)
+        self.absmax2 = _none if absmax2 is None else weakref.ref(absmax2)
+        self.state = state
+        #: Whether `weight_args` may read the checked tensors as views: uint8 codes, whole
+        #: and contiguous, and scales.
+        self.plain = (
+            weight.dtype == torch.uint8
+            and weight.is_contiguous()
+            and absmax is not None
+            and absmax.is_contiguous()
+            and (absmax2 is None or absmax2.is_contiguous())
+        )
+        self.fast: Any = None
+
+
+def _none() -> None:
+    return None
 
 
 def _bnb_key(suffix: str) -> bool:
