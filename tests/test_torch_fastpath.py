@@ -274,10 +274,165 @@ def test_a_weights_launches_carry_the_kernels_arguments(monkeypatch: pytest.Monk
 
 
 def test_cpu_tensors_never_take_the_direct_call() -> None:
-    assert not fp.direct(torch.randn(2, IN, dtype=torch.bfloat16))
+    x = torch.randn(2, IN, dtype=torch.bfloat16)
+    assert not fp.direct(x) and not fp.eager(x)
     layer = nt.Linear4bit(IN, OUT, dtype=torch.bfloat16)
-    assert layer._direct(torch.randn(2, IN, dtype=torch.bfloat16)) is None
+    assert layer._eager(x) is None
     assert layer._kept().fast is False  # the weight is on the CPU: no launches to make
+
+
+# --- the autograd route of eager training steps ----------------------------------------------
+
+
+@pytest.fixture
+def inline_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_run` calls its body at once (the CPU has no device to enter)."""
+    monkeypatch.setattr(fp, "_run", lambda index, dtype, body, *args: body(*args))
+
+
+def leaves(*ts: Any) -> list[Any]:
+    return [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+
+
+@pytest.mark.usefixtures("inline_run")
+@pytest.mark.parametrize("m", [1, 9])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("bias_grad", [False, True])
+@pytest.mark.parametrize("frozen", [None, "x", "a", "b"])
+def test_qlora_function_gives_the_bodies_results_and_only_the_gradients_asked_for(
+    m: int, dropout: bool, bias_grad: bool, frozen: Any
+) -> None:
+    """`QLoraLinear` returns the op bodies' y, and their dx, dA, dB (bit for bit: the same
+    bodies), dbias as the op's backward makes it, None for what needs no gradient."""
+    gen = torch.Generator().manual_seed(m)
+    w = StandIn(dense())
+    dtype = torch.bfloat16
+    x = torch.randn(2, m, IN, generator=gen).to(dtype).requires_grad_(frozen != "x")
+    keep = (torch.rand(2, m, IN, generator=gen) > 0.25).to(dtype) / 0.75 if dropout else None
+    a = (torch.randn(R, IN, generator=gen) * 0.1).requires_grad_(frozen != "a")
+    b = (torch.randn(OUT, R, generator=gen) * 0.1).requires_grad_(frozen != "b")
+    bias = torch.randn(OUT, generator=gen).requires_grad_(bias_grad)
+    dy = torch.randn(2, m, OUT, generator=gen).to(dtype)
+    assert fp.fits(w, x, keep, a, b, bias)
+
+    y = fp.QLoraLinear.apply(x, keep, a, b, bias, w, 1.5, ())
+    want_y = fp._qlora_linear(w, x, x.reshape(-1, IN), keep, a, b, 1.5, bias)
+    assert torch.equal(y, want_y)
+    y.backward(dy)
+    dx, da, db = fp._qlora_linear_backward(w, dy, x, x.reshape(-1, IN), keep, a, b, 1.5)
+    for t, want in ((x, dx), (a, da), (b, db)):
+        assert (t.grad is None) if not t.requires_grad else torch.equal(t.grad, want)
+    if bias_grad:
+        assert torch.equal(bias.grad, dy.reshape(-1, OUT).sum(0).to(bias.dtype))
+    else:
+        assert bias.grad is None
+
+
+@pytest.mark.usefixtures("inline_run")
+def test_matmul_function_gives_the_bodies_results() -> None:
+    w = StandIn(dense())
+    x = torch.randn(3, 5, IN).to(torch.float16).requires_grad_()
+    dy = torch.randn(3, 5, OUT).to(torch.float16)
+    y = fp.Matmul.apply(x, w, ())
+    assert torch.equal(y, fp._matmul(w, x, x.reshape(-1, IN), True))
+    y.backward(dy)
+    assert torch.equal(x.grad, fp._matmul(w, dy, dy.reshape(-1, OUT), False))
+
+
+@pytest.mark.usefixtures("inline_run")
+def test_the_functions_under_gradient_checkpointing() -> None:
+    """Recomputed in the backward (non-reentrant checkpointing), the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = StandIn(dense())
+    x0 = torch.randn(4, IN).to(torch.bfloat16)
+    a0, b0 = torch.randn(R, IN) * 0.1, torch.randn(OUT, R) * 0.1
+
+    def block(x: Any, a: Any, b: Any) -> Any:
+        h = fp.QLoraLinear.apply(x, None, a, b, None, w, 2.0, ())
+        g = fp.Matmul.apply(x * 1.5, w, ())
+        return h.float().square().sum() + g.float().square().sum()
+
+    grads = []
+    for ckpt in (False, True):
+        x, a, b = leaves(x0.requires_grad_(), a0.requires_grad_(), b0.requires_grad_())
+        loss = checkpoint(block, x, a, b, use_reentrant=False) if ckpt else block(x, a, b)
+        loss.backward()
+        grads.append([x.grad, a.grad, b.grad])
+    for got, want in zip(*grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_fits_refuses_what_the_op_must_check() -> None:
+    """Each argument the op would refuse (or that the route does not take) fails `fits`, so
+    that the op's checks name it."""
+    w = StandIn(dense())
+    x = torch.randn(3, IN).to(torch.bfloat16)
+    a, b = torch.randn(R, IN), torch.randn(OUT, R)
+    keep, bias = torch.ones_like(x), torch.randn(OUT)
+    assert fp.fits(w, x, keep, a, b, bias) and fp.fits(w, x, None, a, b, None)
+    bad = [
+        (torch.randn(3, IN + 1).to(torch.bfloat16), keep, a, b, bias),  # x's width
+        (x, keep, torch.randn(R, IN + 2), b, bias),  # A's width
+        (x, keep, a, torch.randn(OUT + 1, R), bias),  # B's rows
+        (x, keep, a, torch.randn(OUT, R + 1), bias),  # B's rank
+        (x, keep, torch.randn(R, IN, 1), b, bias),  # A not 2-D
+        (x, keep, a.to(torch.int32), b, bias),  # A not float
+        (x, keep, a, b.to(torch.int64), bias),  # B not float
+        (x, keep[:2], a, b, bias),  # the mask's shape
+        (x, keep.to(torch.uint8), a, b, bias),  # the mask's dtype
+        (x, keep, a, b, torch.randn(OUT + 1)),  # the bias's shape
+        (x, keep, a, b, torch.randn(1, OUT)),  # the bias 2-D
+    ]
+    for args in bad:
+        assert not fp.fits(w, *args)
+    w.index = 0  # a weight on another device than the tensors
+    assert not fp.fits(w, x, keep, a, b, bias)
+
+
+@pytest.mark.usefixtures("inline_run")
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_peft_layer_takes_the_function_route_with_the_ops_arguments(
+    dropout: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PEFT LoRA layer over a Linear4bit, with the route allowed on the CPU (`eager` true, the
+    weight's launches a stand-in over its dequantized W): its y and gradients are the op's
+    (the CPU's core; the stand-in multiplies with torch: equal to rounding), so the arguments
+    reach the function in the op's order (x, mask, A, B, bias, scaling)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nt.Linear4bit(IN, OUT, bias=True, compute_dtype=torch.bfloat16)
+    model = torch.nn.Sequential(base)
+    config = nt.register_lora(
+        peft.LoraConfig(r=R, lora_alpha=3 * R, lora_dropout=dropout, target_modules=["0"])
+    )
+    model = peft.get_peft_model(model, config)
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.1)
+    x0 = torch.randn(2, 5, IN)
+    dy = torch.randn(2, 5, OUT)
+
+    def run() -> list[Any]:
+        torch.manual_seed(1)  # the same dropout mask
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        y.backward(dy)
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        out = [y.detach(), x.grad, a.grad.clone(), b.grad.clone()]
+        a.grad = b.grad = None
+        return out
+
+    want = run()
+    stand_in = StandIn(base.dequantize(torch.float32))
+    monkeypatch.setattr(fp, "eager", lambda x: True)
+    monkeypatch.setattr(nt.Linear4bit, "_fast_weight", lambda self: stand_in)
+    got = run()
+    assert stand_in.calls  # the function route ran
+    for g, e in zip(got, want, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        scale = float(e.abs().max())
+        torch.testing.assert_close(g.double(), e.double(), rtol=3e-2, atol=3e-2 * scale)
 
 
 # --- Linear4bit's kept weight ----------------------------------------------------------------

@@ -189,7 +189,7 @@ def test_the_16bit_route_equals_the_backend_route(
 
 def test_linear4bit_calls_its_kernels_directly_where_autograd_does_not_follow() -> None:
     """Without autograd to follow, a 16-bit CUDA call of Linear4bit skips the op's dispatch:
-    the same values as the op; with x requiring grad it goes through the op."""
+    the same values as the op; with x requiring grad it goes through `_fastpath.Matmul`."""
     _, q = weight_args(True)
     layer = nt.Linear4bit.from_nf4(q, bias=torch.randn(OUT), device=CUDA)
     for m in (1, 3, 40):
@@ -204,6 +204,55 @@ def test_linear4bit_calls_its_kernels_directly_where_autograd_does_not_follow() 
         assert y.grad_fn is not None
         torch.testing.assert_close(y.detach(), want, rtol=1e-2, atol=1e-2)
     assert layer._kept().fast is not False
+
+
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_the_eager_autograd_route_equals_the_ops_bit_for_bit(
+    m: int, dropout: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PEFT QLoRA layer (and a Linear4bit under autograd) through `_fastpath.QLoraLinear` /
+    `Matmul` against the same calls through nybble's ops: y and every gradient equal."""
+    peft = pytest.importorskip("peft")
+    from nybble.torch import _fastpath
+
+    _, q = weight_args(True)
+    gen = torch.Generator().manual_seed(m)
+    bias = torch.randn(OUT, generator=gen)
+    base = nt.Linear4bit.from_nf4(q, bias=bias, device=CUDA, compute_dtype=torch.bfloat16)
+    plain = nt.Linear4bit.from_nf4(q, device=CUDA, compute_dtype=torch.bfloat16)
+    config = nt.register_lora(
+        peft.LoraConfig(r=R, lora_alpha=2 * R, lora_dropout=dropout, target_modules=["0"])
+    )
+    model = peft.get_peft_model(torch.nn.Sequential(base), config)
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(0, 0.05)
+    base.bias.requires_grad_(True)  # PEFT freezes it: its gradient is checked too
+    x0 = torch.randn(2, m, IN, generator=gen).to(CUDA)
+    dy = torch.randn(2, m, OUT, generator=gen).to(CUDA)
+
+    def run() -> list[Any]:
+        torch.manual_seed(3)  # the same dropout mask
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        z = plain(x.bfloat16())
+        torch.autograd.backward((y, z), (dy, dy.bfloat16()))
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        out = [y.detach(), z.detach(), x.grad, a.grad, b.grad, base.bias.grad]
+        a.grad = b.grad = base.bias.grad = None
+        return out
+
+    calls = []
+    apply = _fastpath.QLoraLinear.apply
+    monkeypatch.setattr(_fastpath.QLoraLinear, "apply", lambda *a: calls.append(1) or apply(*a))
+    eager = run()
+    assert calls  # the function route ran
+    monkeypatch.setattr(_fastpath, "eager", lambda x: False)
+    through_ops = run()
+    assert len(calls) == 1
+    for got, want in zip(eager, through_ops, strict=True):
+        assert got is not None and torch.equal(got, want)
 
 
 def test_autocast_to_another_dtype_leaves_the_products_in_the_activations_dtype() -> None:

@@ -125,23 +125,31 @@ def _autocast_other(dtype: torch.dtype) -> bool:
     return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != dtype
 
 
-def direct(x: torch.Tensor) -> bool:
-    """Whether `Linear4bit` may multiply x itself rather than through `torch.ops.nybble.matmul`
-    (the caller checks `torch.compiler.is_compiling()` first): a plain 16-bit CUDA tensor that
-    autograd will not follow, with nothing watching torch's ops (no torch function or dispatch
-    mode, functorch transform, profiler or JIT trace), where the op and its autograd wrapper
-    would only cost their dispatch (~10 us a call)."""
+def eager(x: torch.Tensor) -> bool:
+    """Whether a layer may run this route itself rather than through nybble's ops, autograd
+    following through `QLoraLinear` / `Matmul` (the caller checks
+    `torch.compiler.is_compiling()` first): a plain 16-bit CUDA tensor with rows, with nothing
+    watching torch's ops (no torch function or dispatch mode, functorch transform, profiler or
+    JIT trace). There the ops would only add their dispatch: a custom op's Python autograd
+    wrapper costs ~400 us of host time per call (torch 2.11, H100 host), more than a QLoRA
+    layer's whole GPU work at a decode step, and a training step is host-bound."""
     return (
         type(x) is torch.Tensor
         and x.is_cuda
         and x.dtype in HALF
-        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.numel() > 0
         and not torch._C._is_torch_function_mode_enabled()
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._are_functorch_transforms_active()
         and not _profiler._is_profiler_enabled
         and torch._C._get_tracing_state() is None
     )
+
+
+def direct(x: torch.Tensor) -> bool:
+    """Whether `Linear4bit` may multiply x itself with no autograd wrapper at all: `eager`,
+    and autograd will not follow x."""
+    return eager(x) and not (x.requires_grad and torch.is_grad_enabled())
 
 
 # --- a weight's launches -----------------------------------------------------------------------
@@ -521,12 +529,128 @@ def _qlora_linear_backward(
     return dx.view(*x.shape[:-1], fw.cols), grad_a, grad_b
 
 
+# --- autograd over this route, for eager training steps ---------------------------------------
+
+
+def fits(
+    fw: FastWeight,
+    x: torch.Tensor,
+    keep: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> bool:
+    """Whether `QLoraLinear` takes these arguments as they are (`eager(x)` holding): x's width
+    the weight's, x, the adapter, the mask and the bias float tensors of the weight's device
+    in the shapes the op checks. Anything else goes to `torch.ops.nybble.qlora_linear`, whose
+    checks then name what is wrong."""
+    index = fw.index
+    rows, cols = fw.rows, fw.cols
+    return (
+        x.shape[-1] == cols
+        and x.get_device() == index
+        and lora_a.dim() == 2
+        and lora_b.dim() == 2
+        and lora_a.shape[1] == cols
+        and lora_b.shape[0] == rows
+        and lora_b.shape[1] == lora_a.shape[0]
+        and lora_a.dtype in _FLOATS
+        and lora_b.dtype in _FLOATS
+        and lora_a.get_device() == index
+        and lora_b.get_device() == index
+        and (
+            keep is None
+            or (keep.shape == x.shape and keep.dtype in _FLOATS and keep.get_device() == index)
+        )
+        and (
+            bias is None
+            or (bias.dim() == 1 and bias.shape[0] == rows and bias.get_device() == index)
+        )
+    )
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class QLoraLinear(torch.autograd.Function):
+    """`torch.ops.nybble.qlora_linear` with its autograd, minus the ops' dispatch: the same
+    bodies as the op's CUDA route (`qlora_linear`, `qlora_linear_backward`), so the same
+    results bit for bit. `hold` keeps the weight's tensors alive until the backward (a
+    `FastWeight` holds only their addresses)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        keep: torch.Tensor | None,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        bias: torch.Tensor | None,
+        fw: FastWeight,
+        scaling: float,
+        hold: tuple[Any, ...],
+    ) -> torch.Tensor:
+        y = qlora_linear(fw, x, keep, lora_a, lora_b, scaling, bias)
+        assert y is not None  # `eager` gave x rows
+        ctx.save_for_backward(x, keep, lora_a, lora_b)
+        ctx.fw, ctx.scaling, ctx.hold = fw, scaling, hold
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, keep, lora_a, lora_b = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dx = da = db = dbias = None
+        if needs[0] or needs[2] or needs[3]:
+            grads = qlora_linear_backward(ctx.fw, grad_y, x, keep, lora_a, lora_b, ctx.scaling)
+            assert grads is not None
+            dx, da, db = grads
+        if needs[4]:  # as the op's backward
+            dbias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return (
+            dx if needs[0] else None,
+            None,
+            da if needs[2] else None,
+            db if needs[3] else None,
+            dbias,
+            None,
+            None,
+            None,
+        )
+
+
+class Matmul(torch.autograd.Function):
+    """`torch.ops.nybble.matmul` (x @ W.T) with its autograd (dx = dy @ W), minus the ops'
+    dispatch: the bodies of the op's CUDA route. The caller checked x's width and device."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, fw: FastWeight, hold: tuple[Any, ...]
+    ) -> torch.Tensor:
+        y = matmul(fw, x, True)
+        assert y is not None
+        ctx.fw, ctx.hold = fw, hold
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = matmul(ctx.fw, grad_y, False)
+        return dx, None, None
+
+
 __all__ = [
     "HALF",
     "MAX_WEIGHTS",
     "FastWeight",
+    "Matmul",
+    "QLoraLinear",
     "dequantize",
     "direct",
+    "eager",
+    "fits",
     "linear",
     "matmul",
     "prepared",

@@ -22,6 +22,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
+from . import _fastpath
 from .linear import Linear4bit
 
 
@@ -82,15 +83,21 @@ class LoraLinear4bit(PeftLoraLinear):  # type: ignore[misc]
         dropout = self.lora_dropout[name]
         if isinstance(dropout, nn.Dropout) and dropout.training and dropout.p > 0:
             keep = dropout(torch.ones_like(x))  # 0 where dropped, 1/(1-p) where kept
-        y = torch.ops.nybble.qlora_linear(
-            x,
-            keep,
-            *base.weight_args(),
-            self.lora_A[name].weight,
-            self.lora_B[name].weight,
-            float(self.scaling[name]),
-            base.bias,
-        )
+        lora_a: torch.Tensor = self.lora_A[name].weight  # type: ignore[assignment]
+        lora_b: torch.Tensor = self.lora_B[name].weight  # type: ignore[assignment]
+        scaling = float(self.scaling[name])
+        y = None
+        if not torch.compiler.is_compiling() and _fastpath.eager(x):
+            # the op's CUDA route and autograd without its dispatch (`_fastpath.QLoraLinear`)
+            fast = base._fast_weight()
+            if fast is not None and _fastpath.fits(fast, x, keep, lora_a, lora_b, base.bias):
+                y = _fastpath.QLoraLinear.apply(
+                    x, keep, lora_a, lora_b, base.bias, fast, scaling, base._held()
+                )
+        if y is None:
+            y = torch.ops.nybble.qlora_linear(
+                x, keep, *base.weight_args(), lora_a, lora_b, scaling, base.bias
+            )
         return y if y.dtype == dtype else y.to(dtype)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:

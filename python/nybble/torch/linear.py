@@ -455,19 +455,30 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
         if self.compute_dtype is not None and dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
         y = None
-        if not torch.compiler.is_compiling() and _fastpath.direct(x):
-            y = self._direct(x)
+        if not torch.compiler.is_compiling() and _fastpath.eager(x):
+            y = self._eager(x)
         if y is None:
             y = torch.ops.nybble.matmul(x, *self.weight_args())
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y if y.dtype == dtype else y.to(dtype)
 
-    def _direct(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x @ W.T without the op's dispatch, for eager 16-bit CUDA calls that autograd will
-        not follow (`_fastpath.direct`): the same kernels and products as the op's CUDA
-        route, through the weight's launches prepared once (kept in `_kept`). None where the
-        op must take the call (its checks then say what is wrong)."""
+    def _eager(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W.T without the op's dispatch, for eager 16-bit CUDA calls (`_fastpath.eager`):
+        the same kernels and products as the op's CUDA route, through the weight's launches
+        prepared once, under `_fastpath.Matmul` where autograd follows x. None where the op
+        must take the call (its checks then say what is wrong)."""
+        fast = self._fast_weight()
+        if fast is None or x.shape[-1] != fast.cols or x.get_device() != fast.index:
+            return None
+        if x.requires_grad and torch.is_grad_enabled():
+            y: torch.Tensor = _fastpath.Matmul.apply(x, fast, self._held())
+            return y
+        return _fastpath.linear(fast, x)
+
+    def _fast_weight(self) -> _fastpath.FastWeight | None:
+        """The weight's prepared CUDA launches (kept in `_kept`), or None where the ops must
+        take the layer's calls (a packed or sharded weight, a weight on the CPU, no driver)."""
         kept = self._kept()
         if kept is None:
             return None
@@ -476,9 +487,15 @@ class Linear4bit(nn.Linear):  # type: ignore[misc]
             weight = _ops.weight("matmul", *self.weight_args())
             made = _fastpath.prepared(weight) if weight.codes.is_cuda else None
             fast = kept.fast = False if made is None else made
-        if fast is False:
-            return None
-        return _fastpath.linear(fast, x)
+        return None if fast is False else fast
+
+    def _held(self) -> tuple[Any, ...]:
+        """The weight's tensors, for an autograd node to keep alive until its backward."""
+        return (
+            self._parameters.get("weight"),
+            self._buffers.get("absmax"),
+            self._buffers.get("absmax2"),
+        )
 
     def extra_repr(self) -> str:
         dq = ", double_quant=True" if self.double_quant else ""
