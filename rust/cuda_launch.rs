@@ -164,7 +164,8 @@ pub fn programmatic_available() -> Result<bool, LaunchError> {
 /// threads never see each other's values.
 pub struct KernelLaunch {
     function: usize,
-    grid: u32,
+    /// Blocks along x, y and z.
+    grid: [u32; 3],
     block: u32,
     shared_mem: u32,
     slots: [u64; MAX_PARAMS],
@@ -179,12 +180,12 @@ pub struct KernelLaunch {
 }
 
 impl KernelLaunch {
-    /// A launch of `function` (a CUfunction) over `grid` blocks of `block` threads with
-    /// `shared_mem` bytes of dynamic shared memory; `slots` hold the parameters' values,
-    /// `varying` the indices of those each call sets.
+    /// A launch of `function` (a CUfunction) over a grid of `grid` blocks (x, y, z) of `block`
+    /// threads with `shared_mem` bytes of dynamic shared memory; `slots` hold the parameters'
+    /// values, `varying` the indices of those each call sets.
     pub fn new(
         function: usize,
-        grid: u32,
+        grid: [u32; 3],
         block: u32,
         shared_mem: u32,
         slots: Vec<u64>,
@@ -194,9 +195,9 @@ impl KernelLaunch {
         if function == 0 {
             return Err("function: a null CUfunction".into());
         }
-        if grid == 0 || block == 0 {
+        if grid.contains(&0) || block == 0 {
             return Err(format!(
-                "grid and block must be positive, got {grid} and {block}"
+                "grid and block must be positive, got {grid:?} and {block}"
             ));
         }
         let mut held = [0u64; MAX_PARAMS];
@@ -240,12 +241,12 @@ impl KernelLaunch {
 
     /// Sets the varying parameters to `values` (as many as `varying`, else an error and no
     /// launch) and launches on `stream` (a CUstream handle; 0 the legacy default stream) over
-    /// `grid` blocks (None: the launch's own).
+    /// a grid of `grid` blocks (x, y, z; None: the launch's own).
     pub fn launch(
         &self,
         stream: usize,
         values: &[u64],
-        grid: Option<u32>,
+        grid: Option<[u32; 3]>,
     ) -> Result<(), LaunchError> {
         if values.len() != self.varying.len() {
             return Err(LaunchError::Arguments(format!(
@@ -255,10 +256,10 @@ impl KernelLaunch {
             )));
         }
         let grid = grid.unwrap_or(self.grid);
-        if grid == 0 {
-            return Err(LaunchError::Arguments(
-                "grid must be positive, got 0".into(),
-            ));
+        if grid.contains(&0) {
+            return Err(LaunchError::Arguments(format!(
+                "grid must be positive, got {grid:?}"
+            )));
         }
         let driver = driver()?;
         let mut slots = self.slots;
@@ -283,7 +284,7 @@ impl KernelLaunch {
                 };
                 attribute.value[0] = 1; // programmaticStreamSerializationAllowed
                 let config = LaunchConfig {
-                    grid: [grid, 1, 1],
+                    grid,
                     block: [self.block, 1, 1],
                     shared_mem: self.shared_mem,
                     stream,
@@ -299,9 +300,9 @@ impl KernelLaunch {
                 unsafe {
                     (driver.launch)(
                         function,
-                        grid,
-                        1,
-                        1,
+                        grid[0],
+                        grid[1],
+                        grid[2],
                         self.block,
                         1,
                         1,
@@ -330,19 +331,25 @@ mod tests {
 
     #[test]
     fn bad_launches_are_refused_before_the_driver() {
-        assert!(KernelLaunch::new(0, 1, 1, 0, vec![], vec![], false).is_err());
-        assert!(KernelLaunch::new(1, 0, 1, 0, vec![], vec![], false).is_err());
-        assert!(KernelLaunch::new(1, 1, 1, 0, vec![0; MAX_PARAMS + 1], vec![], false).is_err());
-        assert!(KernelLaunch::new(1, 1, 1, 0, vec![0; 3], vec![3], false).is_err());
-        let ok = KernelLaunch::new(1, 1, 1, 0, vec![0; 3], vec![0, 2], false).unwrap();
+        let one = [1, 1, 1];
+        assert!(KernelLaunch::new(0, one, 1, 0, vec![], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, [0, 1, 1], 1, 0, vec![], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, [2, 0, 1], 1, 0, vec![], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, [2, 3, 0], 1, 0, vec![], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, one, 0, 0, vec![], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, one, 1, 0, vec![0; MAX_PARAMS + 1], vec![], false).is_err());
+        assert!(KernelLaunch::new(1, one, 1, 0, vec![0; 3], vec![3], false).is_err());
+        let ok = KernelLaunch::new(1, [4, 2, 1], 1, 0, vec![0; 3], vec![0, 2], false).unwrap();
         assert_eq!(ok.varying(), 2);
         assert!(matches!(
             ok.launch(0, &[1], None),
             Err(LaunchError::Arguments(_))
         ));
-        assert!(matches!(
-            ok.launch(0, &[1, 2], Some(0)),
-            Err(LaunchError::Arguments(_))
-        ));
+        for grid in [[0, 1, 1], [1, 0, 1], [1, 1, 0]] {
+            assert!(matches!(
+                ok.launch(0, &[1, 2], Some(grid)),
+                Err(LaunchError::Arguments(_))
+            ));
+        }
     }
 }

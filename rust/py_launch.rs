@@ -35,6 +35,25 @@ fn launch_error(e: LaunchError) -> PyErr {
     }
 }
 
+/// A grid as Python gives it: blocks along x (an int), or a tuple of 1 to 3 of them (x, y, z),
+/// as CuPy takes a kernel's grid. An int is converted as before tuples were taken (the same
+/// OverflowError or TypeError for one that is no u32).
+fn grid(value: &Bound<'_, PyAny>) -> PyResult<[u32; 3]> {
+    let Ok(tuple) = value.cast::<PyTuple>() else {
+        return Ok([value.extract()?, 1, 1]);
+    };
+    let dims: Vec<u32> = tuple.extract()?;
+    match dims.as_slice() {
+        [x] => Ok([*x, 1, 1]),
+        [x, y] => Ok([*x, *y, 1]),
+        [x, y, z] => Ok([*x, *y, *z]),
+        _ => Err(PyValueError::new_err(format!(
+            "grid: expected an int or a tuple of 1 to 3 ints, got a tuple of {}",
+            dims.len()
+        ))),
+    }
+}
+
 impl KernelLaunch {
     /// Launches with the GIL released around the driver's call.
     fn call(
@@ -42,7 +61,7 @@ impl KernelLaunch {
         py: Python<'_>,
         stream: usize,
         values: &[u64],
-        grid: Option<u32>,
+        grid: Option<[u32; 3]>,
     ) -> PyResult<()> {
         let launch = &self.0;
         py.detach(|| launch.launch(stream, values, grid))
@@ -53,11 +72,11 @@ impl KernelLaunch {
 #[pymethods]
 impl KernelLaunch {
     /// RuntimeError where the driver library cannot be loaded, ValueError for arguments that
-    /// make no launch.
+    /// make no launch. `grid`: blocks along x, or a tuple of 1 to 3 (x, y, z).
     #[new]
     fn new(
         function: usize,
-        grid: u32,
+        grid: &Bound<'_, PyAny>,
         block: u32,
         shared_mem: u32,
         slots: Vec<u64>,
@@ -66,7 +85,7 @@ impl KernelLaunch {
     ) -> PyResult<Self> {
         let launch = cuda_launch::KernelLaunch::new(
             function,
-            grid,
+            self::grid(grid)?,
             block,
             shared_mem,
             slots,
@@ -84,17 +103,26 @@ impl KernelLaunch {
         self.0.primed()
     }
 
+    /// Whether the driver launches programmatically (it has cuLaunchKernelEx, CUDA 12 and
+    /// later); RuntimeError where the driver library cannot be loaded.
+    #[staticmethod]
+    fn programmatic_available() -> PyResult<bool> {
+        cuda_launch::programmatic_available().map_err(launch_error)
+    }
+
     /// Sets the varying parameters to `values` (addresses or raw 8-byte values) and launches
-    /// on `stream` (a CUstream handle) over `grid` blocks (default: the launch's).
+    /// on `stream` (a CUstream handle) over `grid` blocks (an int, or a tuple of 1 to 3 for x,
+    /// y and z; default: the launch's).
     #[pyo3(signature = (stream, *values, grid=None))]
     fn __call__(
         &self,
         py: Python<'_>,
         stream: usize,
         values: &Bound<'_, PyTuple>,
-        grid: Option<u32>,
+        grid: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let given: Vec<u64> = values.extract()?;
+        let grid = grid.map(self::grid).transpose()?;
         self.call(py, stream, &given, grid)
     }
 }

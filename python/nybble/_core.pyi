@@ -100,12 +100,12 @@ def dora_row_norms_quantized(
 @final
 class KernelLaunch:
     """A kernel launch through the CUDA driver (unix only; RuntimeError where the driver
-    library does not load)."""
+    library does not load). A grid is blocks along x, or a tuple of 1 to 3 (x, y, z)."""
 
     def __new__(
         cls,
         function: int,
-        grid: int,
+        grid: int | tuple[int, ...],
         block: int,
         shared_mem: int,
         slots: list[int],
@@ -114,7 +114,11 @@ class KernelLaunch:
     ) -> Self: ...
     @property
     def primed(self) -> bool: ...
-    def __call__(self, stream: int, *values: int, grid: int | None = None) -> None: ...
+    @staticmethod
+    def programmatic_available() -> bool: ...
+    def __call__(
+        self, stream: int, *values: int, grid: int | tuple[int, ...] | None = None
+    ) -> None: ...
 
 @final
 class GemvCall:
