@@ -1,14 +1,14 @@
-"""One launcher per kernel of `kernels/nf4.cu`. A RawKernel checks nothing, so each launcher
+"""One launcher per kernel of `kernels/nf4.cu`. A kernel launch checks nothing, so each launcher
 checks dtypes, contiguity, alignment (the kernels move 16 bytes at a time) and sizes first, and
 raises ValueError: a wrong argument never reaches the GPU. Grid sizes come from the module's
 launch facts (kernels.LaunchFacts), the tables from the Rust core (nybble.formats)."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -344,7 +344,7 @@ class FiniteCounter:
         self._host_word = int(cp.cuda.runtime.hostAlloc(4, _HOST_PORTABLE | _HOST_MAPPED))
         release = weakref.finalize(self, cp.cuda.runtime.freeHost, self._host_word)
         release.atexit = False  # at exit the process's memory goes anyway, CUDA maybe first
-        self._found = np.ctypeslib.as_array((ctypes.c_uint32 * 1).from_address(self._host_word))
+        self._found = _host_words(self._host_word, 1)
         self._found[0] = 0
         self._pending = False  # a launch may still be running: its read did not finish
 
@@ -373,6 +373,21 @@ class FiniteCounter:
         cp.cuda.Device(self.device).synchronize()
         self._found[0] = 0
         return index
+
+
+def _host_words(address: int, count: int) -> np.ndarray:
+    """`count` uint32 words of host memory at `address` as a numpy array (a view: what the
+    device writes there, the host reads; the memory must outlive it)."""
+
+    words = SimpleNamespace(
+        __array_interface__={
+            "data": (address, False),
+            "shape": (count,),
+            "typestr": "<u4",
+            "version": 3,
+        }
+    )
+    return np.asarray(words)
 
 
 NO_INDEX = _NONE  # a scan's result while no non-finite value was seen
@@ -579,7 +594,7 @@ class GemvWeight:
         #: through their `_fast` entry.
         self._launches: dict[tuple[np.dtype[Any], int], kernels.PreparedLaunch] = {}
         #: The 16-bit ones by (dtype, x's shape): the launch the checked call makes (the
-        #: core's, or else the ctypes one), which `fast` makes too where it is the core's.
+        #: core's), which `fast` makes too.
         self._fast: dict[tuple[np.dtype[Any], tuple[int, int]], Any] = {}
         self._current_stream = cp.cuda.get_current_stream
         #: The decode loop's call, `fast(x, out)` (the core's `GemvCall`): the checks that keep
@@ -693,8 +708,7 @@ class GemvWeight:
             )
             call = made.call_setting((self._X, self._TC_Y))
             self._fast[(key[0], (m, self.cols))] = call
-            native = getattr(_core, "KernelLaunch", None)  # else call is the ctypes launch
-            if self.fast is not None and native is not None and isinstance(call, native):
+            if self.fast is not None:
                 ahead: list[Any] = []  # ((stream, thread, generation), output) of later calls
                 self.fast.add(_TOKENS_16.index(dtype), m, call, ahead)
         self._launches[key] = made
