@@ -1,6 +1,7 @@
 // The trainer's flash attention (nybble.train._cuda, FusedSoftmax.flash_forward/flash_backward).
-// Loaded through CuPy (RawModule, NVRTC) with FLASH_COMPILE_OPTIONS, which define
-// FLASH_DKDV_ROWS_64 and FLASH_DKDV_ROWS_128 (the dK/dV tiles' query rows); self-contained.
+// Compiled by nybble.backends.cuda.kernels (NVRTC) with FLASH_COMPILE_OPTIONS, which define
+// FLASH_DKDV_ROWS_64 and FLASH_DKDV_ROWS_128 (the dK/dV tiles' query rows); self-contained. The
+// host reads the launch sizes back from the module (`flash_facts`, at the end of this file).
 //
 // Causal grouped-query attention in bfloat16 on the tensor cores (sm_80+): the flash-attention
 // forward and backward (FlashAttention-2's tiling). A kv head's query rows are its T positions
@@ -18,6 +19,8 @@ typedef unsigned short u16;
 #define FLASH_WARPS 4
 // Query rows of a forward or dQ block, keys of a dK/dV block and of every key tile.
 #define FLASH_BLOCK 64
+// Threads of a flash_delta block (a warp per row; the kernel reads blockDim).
+#define FLASH_DELTA_THREADS 256
 #define FLASH_LOG2E 1.4426950408889634f
 #define FLASH_NEG_INF __int_as_float(0xff800000)
 
@@ -643,3 +646,29 @@ extern "C" __global__ void flash_delta(const u16* dout, const u16* out, float* d
                                        int group, int d) {
     flash_delta_rows(dout, out, delta, bad, starts, rows, kv, T, group, d);
 }
+
+// ---- what the launcher reads back ------------------------------------------------------------
+
+// The launch sizes of the kernels above, read by the host from the loaded module
+// (nybble.train._cuda.FlashFacts, fields in this order), so that each keeps its one definition
+// in this file. Written with integers and the #defines above only: a recording, which compiles
+// nothing, works them out from this text (nybble.backends.cuda.kernels.source_facts). The
+// dynamic shared memory of a block is the layout at the top of its kernel: tiles of rows of
+// D + 8 bf16 elements (padded: ldmatrix reads them without bank conflicts), per-row tables and
+// an 8-int reduction.
+extern "C" __device__ long long flash_facts[] = {
+    FLASH_THREADS,        // threads of a forward, dQ or dK/dV block
+    FLASH_BLOCK,          // query rows of a forward or dQ block, keys of a dK/dV block and tile
+    FLASH_DELTA_THREADS,  // threads of a flash_delta block
+    FLASH_DKDV_ROWS_64,   // query rows of a dK/dV tile, heads of 64
+    FLASH_DKDV_ROWS_128,  //   heads of 128
+    // heads of 64: forward (K, V; the query tile first), dQ (Q, dO, K, V), dK/dV (K, V, Q, dO;
+    // lse, delta, position and first key of each query row)
+    2 * FLASH_BLOCK * (64 + 8) * 2 + 8 * 4,
+    4 * FLASH_BLOCK * (64 + 8) * 2 + 8 * 4,
+    (2 * FLASH_BLOCK + 2 * FLASH_DKDV_ROWS_64) * (64 + 8) * 2 + 16 * FLASH_DKDV_ROWS_64 + 8 * 4,
+    // heads of 128: the same
+    2 * FLASH_BLOCK * (128 + 8) * 2 + 8 * 4,
+    4 * FLASH_BLOCK * (128 + 8) * 2 + 8 * 4,
+    (2 * FLASH_BLOCK + 2 * FLASH_DKDV_ROWS_128) * (128 + 8) * 2 + 16 * FLASH_DKDV_ROWS_128 + 8 * 4,
+};

@@ -4,8 +4,9 @@
 // states the math of its `xp` twin in nybble.train.functional (SoftmaxKernels, GateKernels,
 // NormKernels, HeadKernels) in one pass over its arrays.
 //
-// Loaded by nybble.train._cuda through CuPy (RawModule, NVRTC) with its COMPILE_OPTIONS
-// (--fmad=false: each step rounds as its xp statement does). Every kernel comes in bf16 (raw
+// Compiled by nybble.backends.cuda.kernels (NVRTC) with nybble.train._cuda's COMPILE_OPTIONS
+// (--fmad=false: each step rounds as its xp statement does; -ftz=true, as CuPy's RawModule,
+// which compiled it before, added). Every kernel comes in bf16 (raw
 // 16-bit words, widened exactly, rounded to nearest even) and f32 (ROW_KERNELS, at the end);
 // the math is float32. Self-contained (no headers), like every file of kernels/.
 

@@ -2,7 +2,9 @@
 shipped file, unmodified, built with the system C++ compiler against the emulator of
 tests/cuda_emulator/ (a block's threads as coroutines in a random order, barriers and warp
 collectives checked, cp.async copies landing at random), and launched by train/_cuda.py's own
-host code under a stand-in for CuPy. Forward, flash_delta, dQ and dK/dV against
+host code under a stand-in for CuPy, through the library's launcher (backends/cuda/kernels.Kernel:
+the argument slots a GPU gets) into a stand-in for the core's that launches by name in the
+emulator. Forward, flash_delta, dQ and dK/dV against
 functional.attention_forward/attention_backward in float64 numpy, for query blocks that end
 inside a tile, groups of 1 and 4, heads of 64 and 128, sliding windows, packed rows (also
 starts that decrease), batches of 2 and T = 1. Every array lies between guard bytes that must
@@ -28,6 +30,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from nybble import _core
+from nybble.backends.cuda import kernels
 from nybble.train import _cuda
 from nybble.train import functional as F
 
@@ -35,13 +39,8 @@ BF16 = ml_dtypes.bfloat16
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 KERNELS = Path(os.environ.get("NYBBLE_KERNELS_DIR") or EMULATOR.parent.parent / "kernels")
 GUARD = 4096  # bytes before and after every array
-#: Kernel arguments other than arrays, as CuPy passes them (np.uint64(0): a null pointer).
-SCALARS = {
-    np.int32: ctypes.c_int32,
-    np.int64: ctypes.c_int64,
-    np.uint64: ctypes.c_uint64,
-    np.float32: ctypes.c_float,
-}
+#: Dynamic shared memory a block gets without the opt-in to more (the device's default).
+SHARED_DEFAULT = 48 * 1024
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the emulator's threads are Linux ucontexts"
@@ -81,20 +80,34 @@ def unwritten(dtype: np.dtype) -> Any:
     return np.nan if dtype.kind == "f" or dtype == BF16 else np.iinfo(dtype).max
 
 
+class DeviceArray(np.ndarray):
+    """A numpy array that gives its address as a CuPy array does (`data.ptr`): what the
+    launcher passes for an array argument."""
+
+    @property
+    def data(self) -> Any:  # type: ignore[override]
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
 class Device:
     """What train/_cuda.py's flash host code asks of CuPy, over numpy arrays: every array
-    between guards (`empty` ones NaN), RawModule kernels launched in the emulator, the
-    arguments of each launch kept by kernel name."""
+    between guards (`empty` ones NaN); its flash module the emulator's build of the file
+    (the launch facts read from the built library, kernels found by name); the launches made
+    through the library's own launcher (`kernels.Kernel`, argument slots made as on the GPU)
+    into a stand-in for the core's (`_core.KernelLaunch`) that hands the emulator each slot as
+    the driver would, with the arguments of each launch kept by kernel name."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.seed = 0
         self.buffers: list[tuple[np.ndarray, int, int]] = []  # buffer, guard, array elements
+        self.arrays: dict[int, np.ndarray] = {}  # by address
         self.launches: dict[str, tuple[Any, ...]] = {}
+        self.names: list[tuple[str, int]] = []  # (kernel name, dynamic shared allowed) by handle
         runtime = types.SimpleNamespace(getDevice=lambda: 0)
+        stream = types.SimpleNamespace(ptr=0)
         self.cupy = types.SimpleNamespace(
-            RawModule=self.raw_module,
-            cuda=types.SimpleNamespace(runtime=runtime),
+            cuda=types.SimpleNamespace(runtime=runtime, get_current_stream=lambda: stream),
             empty=lambda shape, dtype: self.array(shape, dtype),
             zeros=lambda shape, dtype: self.array(shape, dtype, 0),
             ascontiguousarray=lambda a: self.array(a.shape, a.dtype, a),
@@ -110,7 +123,9 @@ class Device:
         if fill is not None:
             buffer[guard : guard + size] = np.ravel(fill)
         self.buffers.append((buffer, guard, size))
-        return buffer[guard : guard + size].reshape(shape)
+        a = buffer[guard : guard + size].reshape(shape).view(DeviceArray)
+        self.arrays[a.data.ptr] = a
+        return a
 
     def guards_hold(self) -> bool:
         for buffer, guard, size in self.buffers:
@@ -120,32 +135,53 @@ class Device:
                     return False
         return True
 
-    def raw_module(self, *, code: str, options: tuple[str, ...]) -> Any:
-        # `code` is the embedded attention.cu (tests/test_kernels_compile.py: the file itself)
+    def load(self, file: str, options: tuple[str, ...], device: int) -> Any:
+        """train/_cuda.py's module of `file`: the emulator's build of attention.cu."""
+        # the file built is the one shipped (tests/test_kernels_compile.py: the file itself)
+        assert file == _cuda.FLASH_FILE and device == 0
         assert options == _cuda.FLASH_COMPILE_OPTIONS  # the emulator's -D options
-        return types.SimpleNamespace(get_function=lambda name: Kernel(self, name))
+        return self  # its read_facts and function
+
+    def read_facts(self, symbol: str, count: int) -> tuple[int, ...]:
+        """The facts array as the built file defines it (the emulator's `__device__` is
+        empty: a global of the library)."""
+        return tuple((ctypes.c_longlong * count).in_dll(self.lib, symbol))
+
+    def function(self, name: str, dynamic_shared: int = 0) -> kernels.Kernel:
+        self.names.append((name, max(dynamic_shared, SHARED_DEFAULT)))
+        return kernels.Kernel(types.SimpleNamespace(ptr=len(self.names)))  # a handle: 1, 2, ...
 
     def launch(
-        self, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int
+        self,
+        function: int,
+        grid: tuple[int, int, int],
+        block: int,
+        shared: int,
+        slots: list[int],
     ) -> None:
-        self.launches[name] = args
-        values = [
-            ctypes.c_void_p(a.ctypes.data) if isinstance(a, np.ndarray) else SCALARS[type(a)](a)
-            for a in args
-        ]
-        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        name, allowed = self.names[function - 1]
+        # its shared memory within what the host allowed, as a device would refuse the launch
+        assert shared <= allowed, (name, shared, allowed)
+        # each argument in an 8-byte slot, little-endian: a 4-byte parameter reads the low
+        # bytes, as the driver copies it
+        held = (ctypes.c_uint64 * len(slots))(*slots)
+        params = (ctypes.c_void_p * len(slots))(
+            *(ctypes.addressof(held) + 8 * i for i in range(len(slots)))
+        )
+        arrays = [self.arrays[v] for v in slots if v in self.arrays]
+        self.launches[name] = tuple(self.arrays.get(v, v) for v in slots)
 
         def dims(d: tuple[int, ...]) -> Any:
-            return (ctypes.c_uint * 3)(*d, *(1,) * (3 - len(d)))
+            return (ctypes.c_uint * 3)(*d)
 
         self.seed += 1
         error = self.lib.emu_launch(
             name.encode(),
             dims(grid),
-            dims(block),
+            dims((block, 1, 1)),
             shared,
-            (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values)),
-            (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays)),
+            params,
+            (ctypes.c_void_p * len(arrays))(*(a.data.ptr for a in arrays)),
             (ctypes.c_size_t * len(arrays))(*(a.nbytes for a in arrays)),
             len(arrays),
             self.seed,
@@ -153,27 +189,53 @@ class Device:
         assert error is None, f"{name}: {error.decode()}"
 
 
-class Kernel:
-    """A RawModule's function, called as CuPy's: its shared memory within what the host
-    allowed (48 KiB unless it raised the limit, as a device would refuse the launch)."""
+class CoreLaunch:
+    """`_core.KernelLaunch` for the emulator: its checks of a call (the count of values, a
+    positive grid of up to 3 dimensions) and the launch by the kernel's handle."""
 
-    def __init__(self, device: Device, name: str) -> None:
-        self.device = device
-        self.name = name
-        self.max_dynamic_shared_size_bytes = _cuda.SHARED_DEFAULT
+    device: Device
 
-    def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0) -> None:
-        assert shared_mem <= self.max_dynamic_shared_size_bytes, (self.name, shared_mem)
-        self.device.launch(self.name, tuple(grid), tuple(block), args, shared_mem)
+    def __init__(
+        self,
+        function: int,
+        grid: int | tuple[int, ...],
+        block: int,
+        shared_mem: int,
+        slots: list[int],
+        varying: list[int],
+        programmatic: bool,
+    ) -> None:
+        assert not programmatic  # the trainer's launches are plain
+        assert all(0 <= s < 2**64 for s in slots) and all(0 <= i < len(slots) for i in varying)
+        self.function, self.grid, self.block, self.shared = function, grid, block, shared_mem
+        self.slots, self.varying = slots, varying
+
+    def __call__(self, stream: int, *values: int, grid: Any = None) -> None:
+        assert stream == 0  # CuPy's current stream
+        assert len(values) == len(self.varying)
+        slots = list(self.slots)
+        for index, value in zip(self.varying, values, strict=True):
+            assert 0 <= value < 2**64
+            slots[index] = value
+        dims = self.grid if grid is None else grid
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        assert 1 <= len(dims) <= 3 and all(type(n) is int and n > 0 for n in dims), dims
+        full = (*dims, *(1,) * (3 - len(dims)))
+        self.device.launch(self.function, full, self.block, self.shared, slots)  # type: ignore[arg-type]
 
 
 @pytest.fixture
 def device(emulator: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> Iterator[Device]:
-    """The stand-in for CuPy, installed (train/_cuda.py imports cupy inside its functions),
-    with train/_cuda.py's module and kernel caches empty before and after."""
+    """The stand-in for CuPy, installed (train/_cuda.py and the launcher import cupy inside
+    their functions), train/_cuda.py's modules loaded from the emulator, and the core's
+    launcher standing in; train/_cuda.py's module and kernel caches empty before and after."""
     dev = Device(emulator)
     monkeypatch.setitem(sys.modules, "cupy", dev.cupy)
-    caches = (_cuda._flash_module, _cuda._flash_kernel)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", dev.cupy.cuda)
+    monkeypatch.setattr(_cuda, "_load", dev.load)
+    monkeypatch.setattr(CoreLaunch, "device", dev, raising=False)
+    monkeypatch.setattr(_core, "KernelLaunch", CoreLaunch, raising=False)
+    caches = (_cuda._flash_module, _cuda._flash_kernel, _cuda._module_facts)
     for cached in caches:
         cached.cache_clear()
     yield dev

@@ -1,8 +1,10 @@
 """Every CUDA source shipped in the extension compiles with NVRTC for sm_80 and sm_90, with
-the options its loader compiles it with, and defines every kernel the launchers name: the
-library's (kernels/nf4.cu, backends/cuda) and the trainer's (kernels/train.cu and
-kernels/attention.cu, train/_cuda.py). NVRTC needs no GPU and no driver, so this runs in CI
-(from the `nvidia-cuda-nvrtc-cu12` wheel); it is skipped only where that wheel is absent."""
+the options the one compile path (backends/cuda/kernels.compile_options) gives it, and defines
+every kernel the launchers name, with the parameter widths they pass: the library's
+(kernels/nf4.cu, backends/cuda) and the trainer's (kernels/train.cu and kernels/attention.cu,
+train/_cuda.py, whose flash launch sizes are the module's `flash_facts`). NVRTC needs no GPU
+and no driver, so this runs in CI (from the `nvidia-cuda-nvrtc-cu12` wheel); it is skipped only
+where that wheel is absent."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import dataclasses
 import functools
 import importlib.util
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,20 +86,21 @@ def compile_ptx(
 
 
 SOURCES = _core.kernel_sources()
-#: CuPy's RawModule, which compiles the trainer's modules, adds this to the options it is given.
-CUPY_RAW_MODULE_OPTIONS = ("-ftz=true",)
+#: Each shipped file's own options (None: the library's), as its loader hands them to
+#: kernels.module.
+FILE_OPTIONS: dict[str, tuple[str, ...] | None] = {
+    kernels.KERNEL_FILE: None,
+    _cuda.KERNEL_FILE: _cuda.COMPILE_OPTIONS,
+    _cuda.FLASH_FILE: _cuda.FLASH_COMPILE_OPTIONS,
+}
 
 
 def file_options(name: str, arch: str) -> list[str]:
-    """The NVRTC options the library compiles the shipped source `name` with for `arch`."""
-    target = f"--gpu-architecture={arch}"
-    if name == kernels.KERNEL_FILE:
-        return kernels.compile_options(arch.removeprefix("sm_"))
-    if name == _cuda.KERNEL_FILE:
-        return [*_cuda.COMPILE_OPTIONS, *CUPY_RAW_MODULE_OPTIONS, target]
-    if name == _cuda.FLASH_FILE:
-        return [*_cuda.FLASH_COMPILE_OPTIONS, *CUPY_RAW_MODULE_OPTIONS, target]
-    raise AssertionError(f"{name}: no loader compiles it")
+    """The NVRTC options the library compiles the shipped source `name` with for `arch`: the
+    one compile path's (kernels.compile_options)."""
+    if name not in FILE_OPTIONS:
+        raise AssertionError(f"{name}: no loader compiles it")
+    return kernels.compile_options(arch.removeprefix("sm_"), options=FILE_OPTIONS[name])
 
 
 def test_the_extension_ships_the_kernels() -> None:
@@ -137,7 +142,7 @@ def test_kernel_source_compiles(name: str, arch: str) -> None:
     assert ".local" not in ptx, "a kernel spills an array to local memory"
     if name == kernels.KERNEL_FILE:
         # IEEE arithmetic throughout: flushing subnormals would break bit-exactness with the
-        # CPU. (The trainer's modules are compiled by CuPy's RawModule, with -ftz=true.)
+        # CPU. (The trainer's files keep the -ftz=true CuPy's compile gave them.)
         assert ".ftz" not in ptx, "flush-to-zero arithmetic in the kernels"
 
 
@@ -280,3 +285,153 @@ def test_a_compile_error_fails() -> None:
         compile_ptx(
             'extern "C" __global__ void k() { undefined_identifier = 1; }', "bad.cu", "sm_90"
         )
+
+
+#: The flash kernels' dynamic shared memory before it moved into attention.cu (train/_cuda.py's
+#: formula then), by kernel and head dim: the facts must keep it.
+FLASH_SHARED_BEFORE = {
+    ("forward", 64): 18464,
+    ("dq", 64): 36896,
+    ("dkdv", 64): 37920,
+    ("forward", 128): 34848,
+    ("dq", 128): 69664,
+    ("dkdv", 128): 70688,
+}
+
+
+def facts_in(ptx: str, symbol: str) -> tuple[int, ...]:
+    """A module's facts array `symbol` (long longs), decoded from its initializer in the PTX."""
+    match = re.search(rf"\.global \.align 8 \.b8 {symbol}\[(\d+)\] = \{{([^}}]*)\}}", ptx)
+    assert match is not None, f"{symbol} is not a module variable"
+    size = int(match.group(1))
+    raw = bytes(int(b) for b in match.group(2).split(",")).ljust(size, b"\0")
+    return tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(0, size, 8))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_flash_module_defines_its_launch_sizes(arch: str) -> None:
+    """The host reads the flash kernels' launch sizes back from their module (FlashFacts, in
+    the order of attention.cu's `flash_facts`); a recording works them out from the source
+    text (kernels.source_facts), and gets the same; the sizes are those the kernels had when
+    train/_cuda.py wrote them down."""
+    compiled = facts_in(file_ptx(_cuda.FLASH_FILE, arch), _cuda.FLASH_FACTS_SYMBOL)
+    assert len(compiled) == len(_cuda.FlashFacts._fields)
+    defines = [o[2:] for o in _cuda.FLASH_COMPILE_OPTIONS if o.startswith("-D")]
+    text = SOURCES[_cuda.FLASH_FILE]
+    assert kernels.source_facts(text, _cuda.FLASH_FACTS_SYMBOL, defines) == compiled
+    facts = _cuda.FlashFacts(*compiled)
+    assert (facts.threads, facts.block, facts.delta_threads) == (128, 64, 256)
+    assert (facts.dkdv_rows_64, facts.dkdv_rows_128) == tuple(_cuda.FLASH_DKDV_ROWS.values())
+    for (kind, d), before in FLASH_SHARED_BEFORE.items():
+        assert facts.shared(kind, d) == before, (kind, d)
+    assert max(FLASH_SHARED_BEFORE.values()) <= 227 * 1024  # an sm_80 / sm_90 block's most
+    with pytest.raises(ValueError, match="unknown flash kernel"):
+        facts.shared("backward", 64)
+
+
+def test_the_source_facts_take_integers_defines_and_arithmetic_only() -> None:
+    text = (
+        "#define A 3  // three\n#ifndef B\n#define B 5\n#endif\n"
+        'extern "C" __device__ long long f[] = {\n  A,  // a\n  B * (A + 1) - 7 / 2,\n  -A,\n};\n'
+    )
+    assert kernels.source_facts(text, "f") == (3, 17, -3)
+    assert kernels.source_facts(text, "f", ["B=2"]) == (3, 5, -3)
+    for bad in ("sizeof(int)", "C", "A << 1", "A ? 1 : 2", "2.5"):
+        with pytest.raises(ValueError, match="cannot work out"):
+            kernels.source_facts(text.replace("-A,", f"{bad},"), "f")
+    with pytest.raises(ValueError, match="no facts array"):
+        kernels.source_facts(text, "g")
+
+
+class _Recorder:
+    def alloc(self, nbytes: int) -> int:
+        return 0
+
+    def free(self, key: int) -> None:
+        pass
+
+
+def trainer_launch_arguments(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
+    """Every kernel train/_cuda.py launches, with the arguments it passes, from its own host
+    code run on the recording backend's arrays (CuPy bound to the recording's namespace, whose
+    modules launch nothing): row kernels of both dtypes, with and without starts, and the
+    flash kernels of both head dims."""
+    import ml_dtypes
+
+    from nybble.backends.record import RecordingBackend
+    from nybble.backends.record import arrays as record_arrays
+
+    xp = RecordingBackend.gpu(_Recorder()).xp
+    launched: list[tuple[str, tuple]] = []
+
+    def function(self: Any, name: str, dynamic_shared: int = 0) -> Any:
+        return lambda grid, block, args, shared_mem=0: launched.append((name, tuple(args)))
+
+    monkeypatch.setitem(sys.modules, "cupy", xp)
+    monkeypatch.setattr(record_arrays._KernelModule, "function", function)
+    caches = (_cuda._module, _cuda._flash_module, _cuda._flash_kernel, _cuda._module_facts)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        for dtype in (np.float32, ml_dtypes.bfloat16):
+            for starts in (None, xp.empty((2, 6), np.int32)):
+                s, dp = xp.empty((2, 12, 6), dtype), xp.empty((2, 12, 6), dtype)
+                lse, delta = xp.empty((2, 12), np.float32), xp.empty((2, 12), np.float32)
+                _cuda.FusedSoftmax().forward(s, lse, 0, 2, 4, 0.5, starts)
+                _cuda.FusedSoftmax().backward(s, dp, lse, delta, 0, 2, None, 0.5, starts)
+            gate, up = xp.empty((3, 8), dtype), xp.empty((3, 8), dtype)
+            _cuda.FusedGate().forward(gate, up)
+            _cuda.FusedGate().backward(xp.empty((3, 8), dtype), gate, up)
+            x, w = xp.empty((3, 8), dtype), xp.empty((8,), np.float32)
+            y, rstd = _cuda.FusedNorm().forward(x, w, 1e-5)
+            _cuda.FusedNorm().backward(y, x, rstd, w, False)
+            heads = xp.empty((2, 5, 4, 16), dtype)
+            cos, sin = xp.empty((5, 8), dtype), xp.empty((5, 8), dtype)
+            _, rstd = _cuda.FusedHeads().forward(heads, w[:16], 1e-5, cos, sin, 2)
+            _cuda.FusedHeads().backward(heads, heads, rstd, w[:16], cos, sin, False)
+        for d in _cuda.FLASH_HEAD_DIMS:
+            q = xp.empty((2, 1, 70, 4, d), ml_dtypes.bfloat16)
+            k, v = (
+                xp.empty((2, 1, 70, d), ml_dtypes.bfloat16),
+                xp.empty((2, 1, 70, d), ml_dtypes.bfloat16),
+            )
+            for starts in (None, xp.empty((2, 70), np.int32)):
+                o, lse = _cuda._flash_forward(q, k, v, 0.1, 16, starts)
+                do = xp.empty(o.shape, o.dtype)
+                _cuda._flash_backward(do, q, k, v, o, lse, 0.1, None, starts)
+    finally:
+        for cached in caches:
+            cached.cache_clear()
+    return launched
+
+
+def entry_params(entry: str) -> list[str]:
+    """The PTX parameter types of a kernel (its `.entry` text): u64, u32, f32, ..."""
+    head = entry.split(")", 1)[0]
+    return re.findall(r"\.param \.(\w+) ", head)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_trainer_launch_passes_the_kernels_parameter_widths(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch slot holds an argument's bytes, of which the driver reads the kernel
+    parameter's width: so every argument the trainer passes is an array (an 8-byte address)
+    or a numpy scalar of exactly the parameter's width and kind (float or integer), in the
+    kernel's order."""
+    launched = trainer_launch_arguments(monkeypatch)
+    names = {name for name, _ in launched}
+    assert names == set(_cuda.KERNEL_NAMES) | set(_cuda.FLASH_KERNEL_NAMES)
+    entries = {**file_entries(_cuda.KERNEL_FILE, arch), **file_entries(_cuda.FLASH_FILE, arch)}
+    for name, args in launched:
+        params = entry_params(entries[name])
+        assert len(params) == len(args), (name, params, args)
+        for i, (param, a) in enumerate(zip(params, args, strict=True)):
+            width = int(param[1:]) // 8
+            if isinstance(a, np.generic):
+                kind = "f" if a.dtype.kind == "f" else "i"
+                assert kernels.slot(a) < 2 ** (8 * a.dtype.itemsize), (name, i)
+                got = (kind, a.dtype.itemsize)
+            else:  # an array: its address
+                got = ("i", 8)
+            assert got == ("f" if param.startswith("f") else "i", width), (name, i, param, a)

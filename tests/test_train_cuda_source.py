@@ -1,6 +1,8 @@
 """The trainer's GPU modules compile the CUDA files the extension ships (kernels/train.cu and
-kernels/attention.cu, `_core.kernel_sources()`), with their options: read from what
-train/_cuda.py hands CuPy's RawModule, under a stand-in for CuPy (no GPU, no compiler)."""
+kernels/attention.cu, `_core.kernel_sources()`) through the library's one compile path
+(backends/cuda/kernels.py: `kernels.module`, NVRTC to CUBIN) with their own options, the
+flush to zero that CuPy's compile used to add named among them: read from what train/_cuda.py
+hands that path, under a stand-in for CuPy (no GPU, no compiler)."""
 
 from __future__ import annotations
 
@@ -15,58 +17,135 @@ import numpy as np
 import pytest
 
 from nybble import _core
+from nybble.backends.cuda import kernels
 from nybble.train import _cuda
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+CACHES = (_cuda._module, _cuda._flash_module, _cuda._flash_kernel, _cuda._module_facts)
 
 
-class RawModule:
-    """CuPy's RawModule as the trainer calls it: what it was given, and the names asked of it."""
+class Module:
+    """kernels.KernelModule as the trainer's modules are made: what it was given, the names
+    asked of it."""
 
-    made: ClassVar[list[RawModule]] = []
+    made: ClassVar[list[Module]] = []
 
-    def __init__(self, *, code: str, options: tuple[str, ...]) -> None:
-        self.code = code
-        self.options = options
-        self.names: list[str] = []
-        RawModule.made.append(self)
+    def __init__(
+        self,
+        device: int,
+        defines: tuple[str, ...] = (),
+        source_text: str | None = None,
+        file: str = kernels.KERNEL_FILE,
+        options: tuple[str, ...] | None = None,
+    ) -> None:
+        self.device, self.defines, self.file, self.options = device, defines, file, options
+        self.code = source_text or kernels.source(file)
+        self.names: list[tuple[str, int]] = []
+        Module.made.append(self)
 
-    def get_function(self, name: str) -> Any:
-        self.names.append(name)
+    def function(self, name: str, dynamic_shared: int = 0) -> Any:
+        self.names.append((name, dynamic_shared))
         return types.SimpleNamespace(name=name)
 
 
 @pytest.fixture
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     runtime = types.SimpleNamespace(getDevice=lambda: 0)
-    cp = types.SimpleNamespace(RawModule=RawModule, cuda=types.SimpleNamespace(runtime=runtime))
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    RawModule.made.clear()
-    for cached in (_cuda._module, _cuda._flash_module, _cuda._flash_kernel):
+    monkeypatch.setattr(kernels, "KernelModule", Module)
+    monkeypatch.setattr(kernels, "_modules", {})
+    Module.made.clear()
+    for cached in CACHES:
         cached.cache_clear()
     yield
-    for cached in (_cuda._module, _cuda._flash_module, _cuda._flash_kernel):
+    for cached in CACHES:
         cached.cache_clear()
 
 
 def test_the_row_kernels_compile_the_shipped_train_cu(fake_cupy: None) -> None:
     _cuda._kernel("softmax_forward", np.float32)
     _cuda._kernel("rms_backward", ml_dtypes.bfloat16)
-    (module,) = RawModule.made
+    (module,) = Module.made
+    assert module.file == "train.cu" and module.device == 0 and module.defines == ()
     assert module.code == _core.kernel_sources()["train.cu"] == (KERNELS / "train.cu").read_text()
-    assert module.options == _cuda.COMPILE_OPTIONS == ("-std=c++17", "--fmad=false")
-    assert module.names == ["softmax_forward_f32", "rms_backward_bf16"]
+    assert module.options == _cuda.COMPILE_OPTIONS == ("-std=c++17", "--fmad=false", "-ftz=true")
+    assert module.names == [("softmax_forward_f32", 0), ("rms_backward_bf16", 0)]
 
 
 def test_the_flash_kernels_compile_the_shipped_attention_cu(fake_cupy: None) -> None:
-    _cuda._flash_kernel(0, "flash_forward_d128", 0)
+    _cuda._flash_kernel(0, "flash_forward_d128", 34848)
     _cuda._flash_kernel(0, "flash_delta", 0)
-    (module,) = RawModule.made
+    (module,) = Module.made
     text = _core.kernel_sources()["attention.cu"]
+    assert module.file == "attention.cu"
     assert module.code == text == (KERNELS / "attention.cu").read_text()
     assert module.options == _cuda.FLASH_COMPILE_OPTIONS
     assert "-DFLASH_DKDV_ROWS_64=64" in module.options and "-std=c++17" in module.options
-    assert module.names == ["flash_forward_d128", "flash_delta"]
+    assert module.options[-1] == "-ftz=true"  # last, as CuPy added it: NVRTC takes the last
+    assert module.names == [("flash_forward_d128", 34848), ("flash_delta", 0)]
+
+
+def test_the_trainer_options_are_the_ones_cupy_compiled_with() -> None:
+    """The options the CI check and the GPU compile with: the trainer's, then the
+    architecture; the library's file keeps its own (no flush to zero, the host's -D)."""
+    assert kernels.compile_options("90", options=_cuda.COMPILE_OPTIONS) == [
+        "-std=c++17",
+        "--fmad=false",
+        "-ftz=true",
+        "--gpu-architecture=sm_90",
+    ]
+    flash = kernels.compile_options("80", options=_cuda.FLASH_COMPILE_OPTIONS)
+    assert flash == [*_cuda.FLASH_COMPILE_OPTIONS, "--gpu-architecture=sm_80"]
+    library = kernels.compile_options("90")
+    assert "-ftz=true" not in library and f"-D{kernels.HOST_DEFINES[0]}" in library
+
+
+def test_one_compile_path_gives_nvrtc_the_file_and_its_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kernels.compile_cubin (every module's compile) hands NVRTC the named file's text,
+    under its name, with the options asked for."""
+    seen: dict[str, Any] = {}
+
+    class Nvrtc:
+        NVRTCError = RuntimeError
+
+        @staticmethod
+        def createProgram(text: str, name: str, headers: Any, includes: Any) -> str:
+            seen.update(text=text, name=name)
+            return "program"
+
+        @staticmethod
+        def compileProgram(program: str, options: list[str]) -> None:
+            seen["options"] = options
+
+        @staticmethod
+        def getCUBIN(program: str) -> bytes:
+            return b"cubin"
+
+        @staticmethod
+        def destroyProgram(program: str) -> None:
+            seen["destroyed"] = program
+
+    monkeypatch.setattr(kernels, "_nvrtc", lambda: Nvrtc)
+    cubin = kernels.compile_cubin("90", file="attention.cu", options=_cuda.FLASH_COMPILE_OPTIONS)
+    assert cubin == b"cubin" and seen["destroyed"] == "program"
+    assert seen["name"] == "attention.cu" and seen["text"] == _cuda.source("attention.cu")
+    assert seen["options"] == [*_cuda.FLASH_COMPILE_OPTIONS, "--gpu-architecture=sm_90"]
+
+
+def test_the_trainer_source_honours_the_kernels_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train/_cuda.source is the library's look-up: NYBBLE_KERNELS_DIR names the folder
+    whose files are compiled instead of the shipped ones (kernel work without a rebuild)."""
+    (tmp_path / "attention.cu").write_text("// a copy being worked on\n")
+    monkeypatch.setenv("NYBBLE_KERNELS_DIR", str(tmp_path))
+    assert _cuda.source("attention.cu") == "// a copy being worked on\n"
+    assert kernels.source("attention.cu") == "// a copy being worked on\n"
+    monkeypatch.delenv("NYBBLE_KERNELS_DIR")
+    assert _cuda.source("attention.cu") == _core.kernel_sources()["attention.cu"]
 
 
 def test_no_cuda_source_is_left_in_the_python() -> None:

@@ -14,20 +14,20 @@ which `functional.attention_forward` / `attention_backward` try first, launch th
 
 bfloat16 is handled as raw 16-bit words (widened exactly, rounded to nearest even), float32
 as is; the math is float32. The sources are kernels/train.cu (the row kernels) and
-kernels/attention.cu, embedded in the extension (`_core.kernel_sources()`) and compiled with
-NVRTC on first use, through CuPy's RawModule (which adds `-ftz=true` to the options given
-here); importing this module needs neither CuPy nor a GPU.
+kernels/attention.cu, embedded in the extension (`_core.kernel_sources()`), compiled on first
+use and launched as the library's own kernels are (backends/cuda/kernels.py: NVRTC to the
+device's machine code, one module per device, launches through the Rust core's launcher on
+CuPy's current stream), with the options given here; the flash kernels' launch sizes are read
+back from their module (`FlashFacts`). Importing this module needs neither CuPy nor a GPU.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _core
 from ..formats import dtype_name
 from . import functional as F
 
@@ -37,9 +37,12 @@ KERNEL_FILE = "train.cu"
 
 
 def source(file: str) -> str:
-    """The CUDA source `file` of kernels/ as the extension ships it (`_core.kernel_sources()`):
-    what the modules here compile."""
-    return _core.kernel_sources()[file]
+    """The CUDA source `file` of kernels/ as the extension ships it (`_core.kernel_sources()`),
+    or with `NYBBLE_KERNELS_DIR` set, the file in that directory: what the modules here
+    compile (backends/cuda/kernels.source, the one look-up)."""
+    from ..backends.cuda import kernels
+
+    return kernels.source(file)
 
 
 #: The kernels' names, for the compile check.
@@ -73,23 +76,41 @@ def supports(dtype: Any) -> bool:
     return dtype_name(np.dtype(dtype)) in SUFFIX
 
 
-#: NVRTC options: no contraction of a*b+c into an FMA, so each step rounds as its xp
-#: statement does.
-COMPILE_OPTIONS = ("-std=c++17", "--fmad=false")
+#: CuPy's own compile, which built the trainer's files before they were compiled as the
+#: library's are, added this to the options it was given (after them; NVRTC takes the last):
+#: subnormal floats flushed to zero. The trainer's options keep it, so that their numerics
+#: stay as they were.
+FLUSH_TO_ZERO = "-ftz=true"
+#: NVRTC options of the row kernels: no contraction of a*b+c into an FMA, so each step rounds
+#: as its xp statement does; subnormals flushed (FLUSH_TO_ZERO).
+COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", FLUSH_TO_ZERO)
+
+
+def _load(file: str, options: tuple[str, ...], device: int) -> Any:
+    """The kernels of kernels/`file` compiled with `options` for `device`, loaded as the
+    library's are (backends/cuda/kernels.module: functions by name launched through the core's
+    launcher, and `read_facts`); in a recording (backends/record), whose namespace stands in
+    for CuPy, the namespace's stand-in, whose kernels launch nothing."""
+    import cupy as cp
+
+    stand_in = getattr(cp, "kernel_module", None)  # not CuPy's: a recording's namespace
+    if stand_in is not None:
+        return stand_in(file, options)
+    from ..backends.cuda import kernels
+
+    return kernels.module(device=device, file=file, options=options)
 
 
 @functools.cache
 def _module(device: int) -> Any:
-    import cupy as cp
-
-    return cp.RawModule(code=source(KERNEL_FILE), options=COMPILE_OPTIONS)
+    return _load(KERNEL_FILE, COMPILE_OPTIONS, device)
 
 
 def _kernel(name: str, dtype: Any) -> Any:
     import cupy as cp
 
     suffix = SUFFIX[dtype_name(np.dtype(dtype))]
-    return _module(cp.cuda.runtime.getDevice()).get_function(f"{name}_{suffix}")
+    return _module(cp.cuda.runtime.getDevice()).function(f"{name}_{suffix}")
 
 
 def _check(what: str, a: Any, dtype: Any, shape: tuple[int, ...] | None = None) -> None:
@@ -226,21 +247,47 @@ FLASH_FILE = "attention.cu"
 
 #: Head dims the flash kernels are built for.
 FLASH_HEAD_DIMS = (64, 128)
-#: Threads of a flash block (4 warps of 16 query rows, or of 16 keys in dK/dV).
-FLASH_THREADS = 128
-#: Query rows of a forward or dQ block, keys of a dK/dV block and of every key tile.
-FLASH_BLOCK = 64
-#: Query rows of a dK/dV kernel's tile, by head dim (compiled in with -DFLASH_DKDV_ROWS_<d>).
+#: Query rows of a dK/dV kernel's tile, by head dim (compiled in with -DFLASH_DKDV_ROWS_<d>:
+#: the host's choice, as the GEMV's token count is the library's).
 FLASH_DKDV_ROWS = {64: 64, 128: 64}
-#: Threads per block of the delta kernel (a warp per row).
-FLASH_DELTA_THREADS = 256
-#: Shared memory of one block without the opt-in to more.
-SHARED_DEFAULT = 48 * 1024
-#: NVRTC options of the flash module (the products need no bit-for-bit match with xp).
+#: NVRTC options of the flash module (the products need no bit-for-bit match with xp; the
+#: flush of subnormals kept from CuPy's compile, FLUSH_TO_ZERO).
 FLASH_COMPILE_OPTIONS = (
     "-std=c++17",
     *(f"-DFLASH_DKDV_ROWS_{d}={rows}" for d, rows in FLASH_DKDV_ROWS.items()),
+    FLUSH_TO_ZERO,
 )
+#: The module variable holding the flash kernels' launch sizes (kernels/attention.cu, at its
+#: end).
+FLASH_FACTS_SYMBOL = "flash_facts"
+
+
+class FlashFacts(NamedTuple):
+    """The flash kernels' launch sizes, read back from their module (kernels/attention.cu's
+    `flash_facts`, fields in its order): each has its one definition there. (A named tuple,
+    not a dataclass: memory/trainer_run.py runs a copy of this module that is not in
+    sys.modules, where a dataclass cannot be made.)"""
+
+    threads: int  # a forward, dQ or dK/dV block (4 warps of 16 query rows, or of 16 keys)
+    block: int  # query rows of a forward or dQ block, keys of a dK/dV block and of every tile
+    delta_threads: int  # a flash_delta block (a warp per row)
+    dkdv_rows_64: int  # query rows of a dK/dV tile, by head dim (FLASH_DKDV_ROWS)
+    dkdv_rows_128: int
+    shared_forward_d64: int  # dynamic shared memory of a block, by kernel and head dim
+    shared_dq_d64: int
+    shared_dkdv_d64: int
+    shared_forward_d128: int
+    shared_dq_d128: int
+    shared_dkdv_d128: int
+
+    def shared(self, kind: str, d: int) -> int:
+        """Dynamic shared memory of a block of flash kernel `kind` (forward, dq, dkdv) for
+        heads of `d`."""
+        if kind not in ("forward", "dq", "dkdv") or d not in FLASH_HEAD_DIMS:
+            raise ValueError(f"unknown flash kernel {kind!r} for heads of {d}")
+        return int(getattr(self, f"shared_{kind}_d{d}"))
+
+
 #: The flash kernels' names, for the compile check.
 FLASH_KERNEL_NAMES = (
     *(f"flash_{kind}_d{d}" for d in FLASH_HEAD_DIMS for kind in ("forward", "dq", "dkdv")),
@@ -249,43 +296,34 @@ FLASH_KERNEL_NAMES = (
 
 
 def flash_shared_bytes(kind: str, d: int) -> int:
-    """Dynamic shared memory of a flash kernel's block (the layouts at the top of each
-    kernel): key/value tiles, query/dO tiles (rows padded by 8 elements: ldmatrix reads them
-    without bank conflicts), per-row tables and an 8-int reduction."""
-    row = (d + 8) * 2
-    red = 8 * 4
-    if kind == "forward":  # K, V (the query tile first)
-        return 2 * FLASH_BLOCK * row + red
-    if kind == "dq":  # Q, dO, K, V
-        return 4 * FLASH_BLOCK * row + red
-    if kind == "dkdv":  # K, V, Q, dO; lse, delta, position, first key of each query row
-        bq = FLASH_DKDV_ROWS[d]
-        return (2 * FLASH_BLOCK + 2 * bq) * row + 16 * bq + red
-    raise ValueError(f"unknown flash kernel {kind!r}")
+    """Dynamic shared memory of a block of flash kernel `kind` (forward, dq, dkdv) for heads of
+    `d` on the current device (the layouts at the top of each kernel, FlashFacts)."""
+    import cupy as cp
+
+    return _flash_facts(cp.cuda.runtime.getDevice()).shared(kind, d)
 
 
 @functools.cache
 def _flash_module(device: int) -> Any:
-    import cupy as cp
+    return _load(FLASH_FILE, FLASH_COMPILE_OPTIONS, device)
 
-    return cp.RawModule(code=source(FLASH_FILE), options=FLASH_COMPILE_OPTIONS)
+
+def _flash_facts(device: int) -> FlashFacts:
+    """The launch sizes of the flash module `device` has now (a build with other options, as
+    benchmarks/attention_gpu.py makes, has its own)."""
+    return _module_facts(_flash_module(device))
+
+
+@functools.cache
+def _module_facts(module: Any) -> FlashFacts:
+    return FlashFacts(*module.read_facts(FLASH_FACTS_SYMBOL, len(FlashFacts._fields)))
 
 
 @functools.cache
 def _flash_kernel(device: int, name: str, shared: int) -> Any:
-    function = _flash_module(device).get_function(name)
-    if shared > SHARED_DEFAULT:  # the opt-in to more shared memory than a block gets by default
-        with warnings.catch_warnings():  # CuPy versions move this setter between classes
-            warnings.simplefilter("ignore", DeprecationWarning)
-            try:
-                function.max_dynamic_shared_size_bytes = shared
-            except AttributeError:  # no setter: the driver's call on the function's handle
-                import cupy as cp
-
-                handle = getattr(function, "ptr", None) or function.kernel.ptr
-                max_dynamic_shared = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                cp.cuda.driver.funcSetAttribute(handle, max_dynamic_shared, shared)
-    return function
+    """The flash kernel `name`, allowed `shared` bytes of dynamic shared memory (the opt-in to
+    more than a block gets by default, 48 KiB, made when it is loaded)."""
+    return _flash_module(device).function(name, shared)
 
 
 @functools.cache
@@ -327,13 +365,16 @@ def flash_applies(q: Any, k: Any, v: Any, starts: Any = None) -> bool:
     b, kv, t, group, d = (int(n) for n in q.shape)
     if d not in FLASH_HEAD_DIMS or tuple(k.shape) != (b, kv, t, d) or v.shape != k.shape:
         return False
-    if min(b, kv, t, group) < 1 or b * kv > 65535 or t * group >= 2**31 - 2 * FLASH_BLOCK:
+    if min(b, kv, t, group) < 1 or b * kv > 65535:
         return False
     if starts is not None and tuple(starts.shape) != (b, t):
         return False
     if not all(_aligned(a) for a in (q, k, v)):
         return False
-    return _flash_capable(cp.cuda.runtime.getDevice())
+    device = cp.cuda.runtime.getDevice()
+    if not _flash_capable(device):  # before the module is compiled: it needs sm_80
+        return False
+    return t * group < 2**31 - 2 * _flash_facts(device).block
 
 
 def _flash_starts(starts: Any) -> Any:
@@ -348,9 +389,11 @@ def _flash_starts(starts: Any) -> Any:
 def _flash_launch(kind: str, d: int, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
     import cupy as cp
 
-    shared = flash_shared_bytes(kind, d)
-    kernel = _flash_kernel(cp.cuda.runtime.getDevice(), f"flash_{kind}_d{d}", shared)
-    kernel(grid, (FLASH_THREADS,), args, shared_mem=shared)
+    device = cp.cuda.runtime.getDevice()
+    facts = _flash_facts(device)
+    shared = facts.shared(kind, d)
+    kernel = _flash_kernel(device, f"flash_{kind}_d{d}", shared)
+    kernel(grid, (facts.threads,), args, shared_mem=shared)
 
 
 def _flash_forward(
@@ -360,10 +403,11 @@ def _flash_forward(
 
     b, kv, t, group, d = (int(n) for n in q.shape)
     m = t * group
+    block = _flash_facts(cp.cuda.runtime.getDevice()).block
     out = cp.empty((b, t, kv, group, d), q.dtype)
     lse = cp.empty((b * kv, m), cp.float32)
     sizes = (np.int32(kv), np.int32(t), np.int32(group), np.int64(window or 0), np.float32(scale))
-    grid = ((m + FLASH_BLOCK - 1) // FLASH_BLOCK, b * kv)
+    grid = ((m + block - 1) // block, b * kv)
     _flash_launch("forward", d, grid, (q, k, v, out, lse, *sizes, _flash_starts(starts)))
     return out, lse
 
@@ -383,18 +427,20 @@ def _flash_backward(
 
     b, kv, t, group, d = (int(n) for n in q.shape)
     m = t * group
+    device = cp.cuda.runtime.getDevice()
+    facts = _flash_facts(device)
     head_starts = _flash_starts(starts)
     # delta = rowsum(dO * O) per query row, and (packed rows) whether a batch's starts ever
     # decrease (then the dK/dV kernel cannot stop early)
     delta = cp.empty((b * kv, m), cp.float32)
     bad = cp.zeros((b,), cp.int32) if starts is not None else np.uint64(0)
     rows = b * t * kv * group
-    per_block = FLASH_DELTA_THREADS // 32
+    per_block = facts.delta_threads // 32
     delta_grid = (max(1, min((rows + per_block - 1) // per_block, 1 << 16)),)
-    kernel = _flash_kernel(cp.cuda.runtime.getDevice(), "flash_delta", 0)
+    kernel = _flash_kernel(device, "flash_delta", 0)
     kernel(
         delta_grid,
-        (FLASH_DELTA_THREADS,),
+        (facts.delta_threads,),
         (
             do,
             out,
@@ -410,11 +456,11 @@ def _flash_backward(
     )
     sizes = (np.int32(kv), np.int32(t), np.int32(group), np.int64(window or 0), np.float32(scale))
     dq = cp.empty((b, t, kv, group, d), do.dtype)
-    grid = ((m + FLASH_BLOCK - 1) // FLASH_BLOCK, b * kv)
+    grid = ((m + facts.block - 1) // facts.block, b * kv)
     _flash_launch("dq", d, grid, (q, k, v, do, lse, delta, dq, *sizes, head_starts))
     dk = cp.empty((b, t, kv, d), do.dtype)
     dv = cp.empty((b, t, kv, d), do.dtype)
-    grid = ((t + FLASH_BLOCK - 1) // FLASH_BLOCK, b * kv)
+    grid = ((t + facts.block - 1) // facts.block, b * kv)
     _flash_launch("dkdv", d, grid, (q, k, v, do, lse, delta, dk, dv, *sizes, head_starts, bad))
     return dq, dk, dv
 
@@ -596,11 +642,13 @@ class FusedHeads:
 __all__ = [
     "COMPILE_OPTIONS",
     "FLASH_COMPILE_OPTIONS",
+    "FLASH_FACTS_SYMBOL",
     "FLASH_FILE",
     "FLASH_HEAD_DIMS",
     "FLASH_KERNEL_NAMES",
     "KERNEL_FILE",
     "KERNEL_NAMES",
+    "FlashFacts",
     "FusedGate",
     "FusedHeads",
     "FusedNorm",

@@ -3,7 +3,8 @@ and an owner of its memory, no values) and `Namespace` (the backend's `xp`: arra
 views, elementwise math, reductions and indexing). Each call allocates what CuPy 14 allocates
 for it: the result; a reduction's workspace; a flat index for indexing by several arrays; the
 pointer tables of a concatenation of many arrays. Views share their base's memory; memory is
-freed when its last array goes, as CuPy frees it. Kernels (`RawModule`) launch nothing."""
+freed when its last array goes, as CuPy frees it. Kernels (`Namespace.kernel_module`, in place
+of the CUDA backend's compiled modules) launch nothing."""
 
 from __future__ import annotations
 
@@ -626,14 +627,26 @@ class _NoLaunch:
         pass
 
 
-class _RawModule:
-    """CuPy's RawModule in a recorded run: its kernels launch nothing."""
+class _KernelModule:
+    """A compiled module of kernels/ (backends/cuda/kernels.KernelModule, as the trainer's
+    train/_cuda.py loads its files) in a recorded run: nothing is compiled, its kernels launch
+    nothing, and its launch facts are worked out from the source text
+    (kernels.source_facts), with the `-D` definitions of its options."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def __init__(self, file: str, options: Sequence[str] = ()) -> None:
+        self.file = file
+        self.defines = tuple(o[2:] for o in options if o.startswith("-D"))
 
-    def get_function(self, name: str) -> _NoLaunch:
+    def function(self, name: str, dynamic_shared: int = 0) -> _NoLaunch:
         return _NoLaunch()
+
+    def read_facts(self, symbol: str, count: int) -> tuple[int, ...]:
+        from ..cuda import kernels
+
+        found = kernels.source_facts(kernels.source(self.file), symbol, self.defines)
+        if len(found) < count:
+            raise ValueError(f"{self.file}: {symbol} has {len(found)} values, not {count}")
+        return found[:count]
 
 
 class Namespace:
@@ -655,7 +668,9 @@ class Namespace:
     dtype = np.dtype
     ndarray = RecordArray
     inf = np.inf
-    RawModule = _RawModule
+    #: Not CuPy's: the stand-in for the CUDA backend's compiled modules (train/_cuda.py asks
+    #: the namespace for it, and so launches nothing in a recording).
+    kernel_module = _KernelModule
 
     def __init__(self, backend: RecordingBackend) -> None:
         self._backend = backend
