@@ -12,11 +12,14 @@ The runs, in one pair of processes (started once, to keep the file fast):
 - DDP, the adapter saved;
 - FSDP1 with the codes stored as float32 (`set_quant_storage`), and a mixed-precision cast of
   them refused by name.
-Single-process tests cover NF4Weight's pieces and gathers (uneven block and group
-boundaries), the storage dtype checks and the adapter's atomic save."""
+Single-process tests cover FSDP2 as torch <= 2.11 builds its sharded parameters (emulated on
+the torch that runs them: uint8 parameters made with the default requires_grad=True), NF4Weight's
+pieces and gathers (uneven block and group boundaries), the storage dtype checks and the
+adapter's atomic save."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -325,6 +328,98 @@ def test_fsdp_on_one_rank_trains_like_one_process(checkpoint: Path, reference: A
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(losses, reference[True][0], rtol=1e-5, atol=1e-5)
+
+
+class _NnAsInOldTorch:
+    """torch.nn as FSDP2's `_fsdp_param` module sees it, with `nn.Parameter(data,
+    requires_grad=r)` built as torch <= 2.11 builds the sharded parameter: with the default
+    requires_grad (True), then `requires_grad_(r)`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.nn, name)
+
+    @staticmethod
+    def Parameter(data: Any = None, requires_grad: Any = None) -> Any:
+        p = torch.nn.Parameter(data)
+        if requires_grad is not None:
+            p.requires_grad_(requires_grad)
+        return p
+
+
+@pytest.fixture
+def old_fsdp2_sharded_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2's `FSDPParam._init_sharded_param` as in torch <= 2.11 (`nn.Parameter(dtensor)`,
+    then `requires_grad_`), on whichever torch runs the tests."""
+    import importlib
+
+    module = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
+    original = module.FSDPParam._init_sharded_param
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(module, "nn", _NnAsInOldTorch())
+            return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(module.FSDPParam, "_init_sharded_param", init)
+
+
+def test_fsdp_trains_where_fsdp2_builds_parameters_with_the_default_requires_grad(
+    checkpoint: Path, reference: Any, tmp_path: Path, old_fsdp2_sharded_parameter: None
+) -> None:
+    """torch <= 2.11's FSDP2 builds each sharded parameter with requires_grad=True before
+    freezing it, which torch refuses for the uint8 NF4 weights: shard_model builds them
+    frozen, and the run (loaded per rank, forward, backward, AdamW, the adapter saved)
+    matches one process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        quant = nt.NybbleConfig(double_quant=True)
+        model = peft_model(nd.load_sharded(checkpoint, quantization_config=quant))
+        with pytest.MonkeyPatch.context() as m:  # the emulation is the failure, without the fix
+            m.setattr(nd, "_integer_parameters_frozen_by_default", contextlib.nullcontext)
+            with pytest.raises(RuntimeError, match="floating point dtype can require gradients"):
+                nd.shard_model(model)
+        model = peft_model(nd.load_sharded(checkpoint, quantization_config=quant))
+        nd.shard_model(model)
+        weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        assert type(weight.to_local()).__name__ == "NF4Weight" and not weight.requires_grad
+        losses = train(model, batches(), None)
+        nd.save_adapter(model, tmp_path / "adapter")
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(losses, reference[True][0], rtol=1e-5, atol=1e-5)
+    _same_adapter(_adapter(tmp_path / "adapter"), reference[True][1])
+
+
+def test_uint8_parameters_are_built_frozen_while_sharding() -> None:
+    """What shard_model's fully_shard calls see: `nn.Parameter(t)` of a uint8 tensor (an
+    NF4Weight, or a plain one) is frozen; float tensors and an explicit requires_grad go to
+    torch unchanged; torch's constructor is back afterwards. FSDP2 (every version) moves a
+    tensor-subclass parameter that is not on the mesh's device this way."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _move_states_to_device
+
+    new = torch.nn.Parameter.__dict__["__new__"]
+    layer = nt.Linear4bit.from_linear(torch.nn.Linear(64, 32)).pack_()
+    with pytest.raises(RuntimeError, match="floating point dtype"):
+        torch.nn.Parameter(layer.weight)  # torch's own constructor
+    with nd._integer_parameters_frozen_by_default():
+        for t in (layer.weight, torch.zeros(3, dtype=torch.uint8)):
+            p = torch.nn.Parameter(t)
+            assert isinstance(p, torch.nn.Parameter) and not p.requires_grad
+            assert type(p) is (type(t) if type(t) is not torch.Tensor else torch.nn.Parameter)
+        assert torch.nn.Parameter(torch.zeros(2)).requires_grad
+        assert torch.nn.Parameter().requires_grad
+        assert not torch.nn.Parameter(torch.zeros(2), requires_grad=False).requires_grad
+        with pytest.raises(RuntimeError, match="floating point dtype"):
+            torch.nn.Parameter(layer.weight, requires_grad=True)
+        w = layer.weight
+        _move_states_to_device([w], [], torch.device("meta"))
+        assert w.device.type == "meta" and not w.requires_grad
+        assert isinstance(layer.weight, NF4Weight) and layer.weight is w
+    assert torch.nn.Parameter.__dict__["__new__"] is new
+    with pytest.raises(RuntimeError, match=r"(?i)only tensors of floating point"):
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.uint8))
 
 
 # --- DDP, FSDP1 -----------------------------------------------------------------------------------

@@ -152,10 +152,50 @@ def shard_model(
         blocks = [m for m in model.modules() if layers(m)]
     else:
         blocks = list(layers)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    with _integer_parameters_frozen_by_default():
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     return model
+
+
+_OMITTED: Any = object()
+
+
+@contextlib.contextmanager
+def _integer_parameters_frozen_by_default() -> Iterator[None]:
+    """`nn.Parameter(data)` with `requires_grad` left out gives a frozen parameter where
+    `data` is not floating point (an `NF4Weight`'s uint8 codes, or the DTensor of its shard),
+    instead of raising "only Tensors of floating point dtype can require gradients".
+
+    FSDP2 wraps each parameter it manages with `nn.Parameter(...)`: torch 2.11's `fully_shard`
+    builds the sharded parameter as `nn.Parameter(dtensor)` (default requires_grad=True,
+    which torch refuses for uint8) and only then sets `requires_grad_(param.requires_grad)`
+    (2.15 passes `requires_grad=` to the constructor); both move a tensor-subclass parameter
+    that is not on the mesh's device (a model loaded on the host, sharded over GPUs) with
+    `nn.Parameter(t.to(device))`, no requires_grad. A uint8 parameter can only be frozen, so
+    the parameter built here is the one torch 2.15's sharding builds; a floating point `data`,
+    or an explicit `requires_grad`, goes to torch's constructor unchanged (an explicit True on
+    uint8 still raises). Active for the `fully_shard` calls of `shard_model` only, which run
+    in the caller's thread."""
+    cls = nn.Parameter
+    original = cls.__dict__["__new__"]
+    construct = original.__func__ if isinstance(original, staticmethod) else original
+
+    def new(cls: Any, data: Any = None, requires_grad: Any = _OMITTED) -> Any:
+        if requires_grad is _OMITTED:
+            requires_grad = not (
+                isinstance(data, torch.Tensor)
+                and not data.is_floating_point()
+                and not data.is_complex()
+            )
+        return construct(cls, data, requires_grad)
+
+    cls.__new__ = staticmethod(new)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        cls.__new__ = original  # type: ignore[method-assign]
 
 
 def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
