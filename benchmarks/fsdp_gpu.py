@@ -23,13 +23,21 @@ every rank's and the largest.
   param_dtype=bf16, reduce_dtype=fp32)` for the float32 LoRA parameters; `--offload` adds
   FSDP2's CPUOffloadPolicy.
 - bnb: the published FSDP-QLoRA recipe: `BitsAndBytesConfig(load_in_4bit, nf4, double
-  quant, bnb_4bit_compute_dtype=bf16, bnb_4bit_quant_storage=bf16)` loaded by every rank,
-  PEFT's LoRA (bf16, the storage dtype), FSDP1 (`FullyShardedDataParallel`: one unit per
-  decoder layer, `use_orig_params=True`, `MixedPrecision(bf16)`; bitsandbytes' 4-bit
-  weights lose their quantization state under FSDP2); `--offload` adds FSDP1's CPUOffload.
+  quant, bnb_4bit_compute_dtype=bf16, bnb_4bit_quant_storage=bf16)` loaded in bf16 by every
+  rank, PEFT's LoRA, FSDP1 (`FullyShardedDataParallel`: one unit per decoder layer,
+  `use_orig_params=True`, `MixedPrecision(bf16)`; bitsandbytes' 4-bit weights lose their
+  quantization state under FSDP2); `--offload` adds FSDP1's CPUOffload. Every parameter of
+  a unit is in the storage dtype, bf16, as FSDP1 flattens a unit into one tensor of one
+  dtype: the LoRA weights are made with `get_peft_model(..., autocast_adapter_dtype=False)`
+  (PEFT creates them in the 4-bit layers' compute dtype, bf16; its default would upcast
+  them to float32: "Must flatten tensors with uniform dtype"), and `uniform_dtype` checks
+  every parameter (it would cast a float one left in another dtype, and refuses a 4-bit
+  weight stored otherwise). So the bnb side's LoRA weights and AdamW state are bf16 (the
+  nybble side's float32, computed in bf16); they are a few MB either way.
 
-`--cpu` runs the same code on the CPU with gloo (`--shape tiny` for a model that fits; the
-nybble side only; timings and memory meaningless): a smoke test of the script.
+`--cpu` runs the same code on the CPU with gloo (`--shape tiny` for a model that fits;
+timings and memory meaningless): a smoke test of the script; the bnb side there needs a
+bitsandbytes with a CPU 4-bit path (0.50.2 has one).
 
 Writes fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu),
 merged with the records of an earlier run of the same configuration there (a record per side
@@ -204,6 +212,22 @@ def build_nybble(folder: Path, device: Any, offload: bool) -> Any:
     return model
 
 
+def uniform_dtype(model: Any, dtype: Any) -> None:
+    """Puts every parameter of `model` in `dtype` (FSDP1 flattens each unit's parameters into
+    one tensor of one dtype): a float parameter in another dtype (a LoRA weight or a norm
+    left in float32) is cast; a bitsandbytes 4-bit weight (`Params4bit`, its codes stored as
+    `bnb_4bit_quant_storage`) in another dtype is a ValueError, never cast (that would
+    convert its codes)."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if p.dtype == dtype:
+            continue
+        if type(p).__name__ == "Params4bit" or not torch.is_floating_point(p):
+            raise ValueError(f"{name}: {type(p).__name__} of {p.dtype}, not {dtype} (not cast)")
+        p.data = p.data.to(dtype)
+
+
 def build_bnb(folder: Path, device: Any, offload: bool) -> Any:
     import functools
 
@@ -225,7 +249,11 @@ def build_bnb(folder: Path, device: Any, offload: bool) -> Any:
     )
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, _lora("bnb"))
+    # The LoRA weights in the storage dtype: PEFT creates them in the 4-bit layers' compute
+    # dtype (bf16), and would upcast them to float32 (autocast_adapter_dtype=True, its
+    # default), which FSDP1 cannot flatten with the bf16 units.
+    model = get_peft_model(model, _lora("bnb"), autocast_adapter_dtype=False)
+    uniform_dtype(model, torch.bfloat16)
     layer = type(model.base_model.model.model.layers[0])
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
     return FullyShardedDataParallel(
@@ -303,13 +331,20 @@ def worker(args: argparse.Namespace) -> None:
             }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, memory)
+        # FSDP2's parameters are DTensors (numel: the whole tensor's); FSDP1's with
+        # use_orig_params are this rank's part of each (numel: summed over the ranks).
+        trainable = sum(p.numel() for p in params)
+        if args.worker == "bnb":
+            counts: list[Any] = [None] * world
+            dist.all_gather_object(counts, trainable)
+            trainable = sum(counts)
         step_s = statistics.median(times)
         rec.update(
             step_ms=round(step_s * 1e3, 1),
             tokens_per_s=round(world * args.seq / step_s, 1),
             tokens_per_s_per_gpu=round(args.seq / step_s, 1),
             losses=[round(v, 4) for v in losses],
-            trainable=sum(p.numel() for p in params),
+            trainable=trainable,
             per_rank=gathered,
         )
         if not cpu:
@@ -402,8 +437,6 @@ def main() -> None:
     sides = [s for s in args.sides.split(",") if s]
     if set(sides) - {"nybble", "bnb"}:
         parser.error("--sides takes nybble and bnb")
-    if args.cpu and "bnb" in sides:
-        parser.error("--cpu runs the nybble side only (bitsandbytes' FSDP recipe needs CUDA)")
     counts = [int(g) for g in args.gpus.split(",") if g]
     deadline = time.monotonic() + args.deadline_s
     records = []
