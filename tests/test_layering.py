@@ -3,8 +3,9 @@ a rule cannot break silently: the layer list is read from the doc ("Who imports 
 block after the paragraph naming this file), every import statement of every module is read
 with `ast` (function-level and type-checking ones included), and each must point to a lower
 layer. Also: no import circle between the package's modules and subpackages, the oracle
-imported by no module, and the device modules of the seam (`backends.cpu`, `backends.cuda`)
-imported only inside it (and by `nybble.cuda`, the GPU-only public functions)."""
+imported by no module, the device modules of the seam (`backends.cpu`, `backends.cuda`)
+imported only inside it (and by `nybble.cuda`, the GPU-only public functions), and no device
+library (CuPy) imported by the trainer's modules, which reach the device through a backend."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ KNOWN_DEVICE_IMPORTS = {
     ("torch", "nybble.backends.cpu"),
     ("torch", "nybble.backends.cuda.arrays"),
 }
+
+#: The device libraries: their arrays and calls belong behind the seam (backends/).
+DEVICE_LIBRARIES = ("cupy", "cupyx", "cupy_backends")
+#: Modules of train/ that import a device library themselves: the fused kernels' host code,
+#: which the memory estimator loads once more with CuPy's name bound to a recording's array
+#: namespace (memory/trainer_run.py). A stale entry fails the test.
+KNOWN_TRAIN_DEVICE_IMPORTERS = {"nybble.train._cuda"}
 
 
 def _layers() -> list[list[str]]:
@@ -178,6 +186,42 @@ def test_device_modules_are_imported_only_through_the_seam() -> None:
     assert not wrong, f"device modules imported outside the seam: {wrong}"
     stale = KNOWN_DEVICE_IMPORTS - set(found)
     assert not stale, f"gone: delete them from KNOWN_DEVICE_IMPORTS: {stale}"
+
+
+def _library_imports(source: str) -> list[tuple[str, int]]:
+    """(top-level package, line) of every absolute import in a module's source, function-level
+    and type-checking ones included."""
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name.split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.module.split(".")[0], node.lineno))
+    return found
+
+
+def test_the_trainer_imports_no_device_library() -> None:
+    """train/ is written once over the seam: its device decisions are the backend's
+    (`Backend.float32_products`, `cuda_kernels`, `default_compute_dtype`, `matmul_in_dtype`),
+    so none of its modules imports CuPy, but the fused kernels' host code
+    (KNOWN_TRAIN_DEVICE_IMPORTERS)."""
+    importers: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        for package, line in _library_imports(path.read_text(encoding="utf-8")):
+            if package in DEVICE_LIBRARIES:
+                importers[_module_name(path)].append(f"{path.relative_to(ROOT)}:{line}")
+    wrong = {k: v for k, v in importers.items() if k not in KNOWN_TRAIN_DEVICE_IMPORTERS}
+    assert not wrong, f"train/ modules importing a device library: {wrong}"
+    stale = KNOWN_TRAIN_DEVICE_IMPORTERS - set(importers)
+    assert not stale, f"gone: delete them from KNOWN_TRAIN_DEVICE_IMPORTERS: {stale}"
+
+
+def test_library_imports_are_read_at_every_level() -> None:
+    source = (
+        "import numpy as np\nfrom . import functional\n"
+        "def f():\n    import cupy as cp\n    from cupyx.scipy import special\n"
+    )
+    assert _library_imports(source) == [("numpy", 1), ("cupy", 4), ("cupyx", 5)]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, SupportsIndex, overload
 
 import numpy as np
 
@@ -34,10 +34,129 @@ from ..formats import (
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from numpy.typing import DTypeLike
+
     from .cpu import CpuBackend
 
 Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
+
+
+class Array(Protocol):
+    """A backend's array as the code above the seam uses it (numpy's on the CPU, CuPy's on
+    the GPU, `record.RecordArray` in a recording): its shape and dtype, views, casts,
+    reductions, indexing and the elementwise operators. What a backend's array namespace `xp`
+    does with arrays (`xp.exp`, `xp.where`, ...) is not part of it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def T(self) -> Array: ...
+
+    @overload
+    def reshape(self, shape: tuple[int, ...], /) -> Array: ...
+
+    @overload
+    def reshape(self, n0: SupportsIndex, /) -> Array: ...
+
+    @overload
+    def reshape(self, n0: SupportsIndex, n1: SupportsIndex, /) -> Array: ...
+
+    @overload
+    def reshape(self, n0: SupportsIndex, n1: SupportsIndex, n2: SupportsIndex, /) -> Array: ...
+
+    @overload
+    def reshape(
+        self, n0: SupportsIndex, n1: SupportsIndex, n2: SupportsIndex, n3: SupportsIndex, /
+    ) -> Array: ...
+
+    @overload
+    def reshape(
+        self,
+        n0: SupportsIndex,
+        n1: SupportsIndex,
+        n2: SupportsIndex,
+        n3: SupportsIndex,
+        n4: SupportsIndex,
+        /,
+    ) -> Array: ...
+
+    def transpose(self, *axes: SupportsIndex) -> Array: ...
+
+    def astype(
+        self,
+        dtype: DTypeLike,
+        order: Literal["K", "A", "C", "F"] = ...,
+        casting: Any = ...,
+        subok: bool = ...,
+        copy: bool = ...,
+    ) -> Array: ...
+
+    def sum(self, axis: Any = ..., dtype: DTypeLike = ..., *, keepdims: bool = ...) -> Array: ...
+
+    def mean(self, axis: Any = ..., dtype: DTypeLike = ..., *, keepdims: bool = ...) -> Array: ...
+
+    def max(self, axis: Any = ..., *, keepdims: bool = ...) -> Array: ...
+
+    def __getitem__(self, key: Any, /) -> Array: ...
+
+    def __setitem__(self, key: Any, value: Any, /) -> None: ...
+
+    def __float__(self) -> float: ...
+
+    def __neg__(self) -> Array: ...
+
+    def __invert__(self) -> Array: ...
+
+    def __add__(self, other: Any, /) -> Array: ...
+
+    def __radd__(self, other: Any, /) -> Array: ...
+
+    def __iadd__(self, other: Any, /) -> Array: ...
+
+    def __sub__(self, other: Any, /) -> Array: ...
+
+    def __rsub__(self, other: Any, /) -> Array: ...
+
+    def __isub__(self, other: Any, /) -> Array: ...
+
+    def __mul__(self, other: Any, /) -> Array: ...
+
+    def __rmul__(self, other: Any, /) -> Array: ...
+
+    def __imul__(self, other: Any, /) -> Array: ...
+
+    def __truediv__(self, other: Any, /) -> Array: ...
+
+    def __rtruediv__(self, other: Any, /) -> Array: ...
+
+    def __itruediv__(self, other: Any, /) -> Array: ...
+
+    def __matmul__(self, other: Any, /) -> Array: ...
+
+    def __and__(self, other: Any, /) -> Array: ...
+
+    def __or__(self, other: Any, /) -> Array: ...
+
+    def __ior__(self, other: Any, /) -> Array: ...
+
+    def __lt__(self, other: Any, /) -> Array: ...
+
+    def __le__(self, other: Any, /) -> Array: ...
+
+    def __gt__(self, other: Any, /) -> Array: ...
+
+    def __ge__(self, other: Any, /) -> Array: ...
 
 
 class FiniteCheck(Protocol):
@@ -66,6 +185,15 @@ class Backend(Protocol):
     device: Device
     #: The array namespace (numpy or cupy), for elementwise math written once.
     xp: ModuleType
+    #: Whether the device's products run in float32 only (the CPU: 16-bit operands widened,
+    #: the product rounded once at the end; `matmul` takes float32), rather than in the
+    #: operands' dtype with float32 sums (the GPU's cuBLAS).
+    float32_products: bool
+    #: Whether the device runs CUDA C kernels compiled at run time: where the trainer's fused
+    #: kernels (train/_cuda.py) run (a recording of the GPU takes them and launches nothing).
+    cuda_kernels: bool
+    #: The activations' dtype a trainer on this device computes in unless told otherwise.
+    default_compute_dtype: OutputDtype
 
     # --- arrays in and out ---------------------------------------------------------------
 
@@ -156,6 +284,12 @@ class Backend(Protocol):
         `out`."""
         ...
 
+    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+        """a @ b for 2-D a, b of one dtype (any strides), a new array of that dtype: on the
+        GPU `matmul` (float32 sums); on the CPU float32 in the core, float64 in numpy, and
+        16-bit operands multiplied in float32 and the product rounded."""
+        ...
+
     def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
         """a and b in `dtype` (each itself when it already is): a LoRA layer's A and B in the
         activations' dtype, made once per forward for it and its backward."""
@@ -244,7 +378,7 @@ def compute_dtype(backend: Backend, dtype: OutputDtype) -> np.dtype[Any]:
     """The dtype a layer's products run in on `backend` for activations returned in `dtype`:
     float32 on the CPU (every product in float32, rounded once at the end), `dtype` itself on
     the GPU (cuBLAS sums in float32)."""
-    return np.dtype(np.float32) if backend.device == "cpu" else numpy_dtype(dtype)
+    return np.dtype(np.float32) if backend.float32_products else numpy_dtype(dtype)
 
 
 def checks_at_once(backend: Backend) -> bool:
@@ -301,6 +435,7 @@ def _on_cuda(x: Any) -> bool:
 
 __all__ = [
     "DEVICES",
+    "Array",
     "Backend",
     "Codebook",
     "Device",

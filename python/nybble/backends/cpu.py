@@ -76,6 +76,9 @@ def _flat(a: np.ndarray) -> np.ndarray:
 class CpuBackend:
     device: Device = "cpu"
     xp: ModuleType = np
+    float32_products = True
+    cuda_kernels = False
+    default_compute_dtype: OutputDtype = "float32"
 
     def asarray(self, x: Any, what: str = "x") -> np.ndarray:
         return as_numpy(x, what)
@@ -209,6 +212,16 @@ class CpuBackend:
             accumulate = False
         _core.matmul(a, b, out, alpha, accumulate)
         return out
+
+    def matmul_in_dtype(self, a: Any, b: Any) -> np.ndarray:
+        """float32 to the core, float64 to numpy; 16-bit operands multiplied in float32 (numpy
+        has no fast 16-bit product) and the product rounded to their dtype."""
+        if a.dtype == np.float32 and b.dtype == np.float32:
+            return self.matmul(a, b)
+        if a.dtype == np.float64:
+            return np.matmul(a, b)
+        product = self.matmul(a.astype(np.float32), b.astype(np.float32))
+        return product.astype(a.dtype)
 
     def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
         return a.astype(dtype, copy=False), b.astype(dtype, copy=False)

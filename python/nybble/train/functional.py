@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import backends
+from ..backends import Array
 from .config import TransformerConfig
 
-Array = Any
 #: The largest number of attention scores of one chunk (per chunk: 2 buffers of this many
 #: elements in backward, 1 in forward).
 ATTENTION_CHUNK_ELEMENTS = 1 << 25
@@ -38,7 +39,7 @@ HEAD_CHUNK_ELEMENTS = 1 << 25
 IGNORE_INDEX = -100
 
 
-def accumulate_dtype(dtype: Any) -> Any:
+def accumulate_dtype(dtype: DTypeLike) -> type[np.float32 | np.float64]:
     """float64 for float64 activations, float32 for every other."""
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
@@ -46,12 +47,12 @@ def accumulate_dtype(dtype: Any) -> Any:
 # --- embedding ----------------------------------------------------------------------------
 
 
-def embedding_forward(weight: Array, ids: Array, dtype: Any) -> Array:
+def embedding_forward(weight: Array, ids: Array, dtype: DTypeLike) -> Array:
     """weight[ids] in `dtype`: ids [...] -> [..., hidden]."""
     return weight[ids].astype(dtype, copy=False)
 
 
-def embedding_backward(xp: Any, grad: Array, ids: Array, vocab_size: int) -> Array:
+def embedding_backward(xp: ModuleType, grad: Array, ids: Array, vocab_size: int) -> Array:
     """dL/dweight [vocab, hidden] for grad [N, hidden] of the rows ids [N]: the rows of each
     token summed. A one-hot product over the distinct tokens keeps the sum in a fixed order
     (an atomic scatter would not be deterministic on the GPU)."""
@@ -69,7 +70,7 @@ def embedding_backward(xp: Any, grad: Array, ids: Array, vocab_size: int) -> Arr
 # --- RMSNorm --------------------------------------------------------------------------------
 
 
-def rms_norm_forward(xp: Any, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+def rms_norm_forward(xp: ModuleType, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
     """y = weight * x / sqrt(mean(x²) + eps) over the last axis, in float32 (HF's LlamaRMSNorm);
     returns y in x's dtype and 1/sqrt(mean(x²) + eps) [..., 1] for backward."""
     acc = accumulate_dtype(x.dtype)
@@ -84,7 +85,7 @@ def rms_norm_forward(xp: Any, x: Array, weight: Array, eps: float) -> tuple[Arra
 
 
 def rms_norm_backward(
-    xp: Any, dy: Array, x: Array, rstd: Array, weight: Array, weight_grad: bool
+    xp: ModuleType, dy: Array, x: Array, rstd: Array, weight: Array, weight_grad: bool
 ) -> tuple[Array, Array | None]:
     """(dL/dx in dy's dtype, dL/dweight or None). With x̂ = x·rstd and g = dy·weight:
     dx = rstd·(g - x̂·mean(g·x̂)), dweight = Σ_rows dy·x̂."""
@@ -106,7 +107,7 @@ class NormKernels:
     """RMSNorm forward and backward as the model calls them, in `xp` (the GPU's fused kernels,
     train/_cuda.py, replace them for bfloat16 and float32)."""
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: ModuleType) -> None:
         self.xp = xp
 
     def forward(self, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
@@ -144,7 +145,7 @@ def rope_inverse_frequencies(config: TransformerConfig) -> np.ndarray:
     return inv_freq
 
 
-def rope_tables(config: TransformerConfig, length: int, xp: Any = np) -> tuple[Array, Array]:
+def rope_tables(config: TransformerConfig, length: int, xp: ModuleType = np) -> tuple[Array, Array]:
     """cos, sin [length, head_dim] (float32, host) for positions 0..length-1: the angles
     position·inv_freq computed in float32, the two halves of the head sharing them (HF's
     `cat(freqs, freqs)`). Packed batches take the rows of their tokens' positions. `xp`: the
@@ -183,7 +184,7 @@ class HeadKernels:
     optional per-head RMSNorm (Qwen3's q_norm / k_norm), rotary positions, and the move from
     [B, T, heads, D] to [B, kv_heads, T, group, D] (keys: group 1), in `xp`."""
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: ModuleType) -> None:
         self.xp = xp
 
     def forward(
@@ -219,6 +220,7 @@ class HeadKernels:
         d = rope_backward(dy, cos, sin)
         if weight is None:
             return d, None
+        assert x is not None and rstd is not None  # saved by a forward with the norm
         return rms_norm_backward(self.xp, d, x, rstd, weight, weight_grad)
 
 
@@ -237,7 +239,7 @@ class SoftmaxKernels:
     scale, window, starts)` with attention_forward's and attention_backward's arguments and
     results, or None where they do not apply; the xp statement offers neither."""
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: ModuleType) -> None:
         self.xp = xp
 
     def _mask(
@@ -248,7 +250,7 @@ class SoftmaxKernels:
         group: int,
         window: int | None,
         starts: Array | None,
-        dtype: Any,
+        dtype: DTypeLike,
     ) -> Array:
         """[rows, keys] ([batch, rows, keys] with `starts`): 0 where row may see the key, -inf
         where it may not (a later position, one beyond the sliding window, one of another
@@ -329,7 +331,7 @@ def attention_chunks(
     return [(t0, min(t0 + step, positions)) for t0 in range(0, positions, step)]
 
 
-def score_starts(xp: Any, starts: Array | None, kv_heads: int) -> Array | None:
+def score_starts(xp: ModuleType, starts: Array | None, kv_heads: int) -> Array | None:
     """A batch's sample starts [B, T] for the scores' batches [B·kv_heads, T] (int32)."""
     if starts is None:
         return None
@@ -337,7 +339,7 @@ def score_starts(xp: Any, starts: Array | None, kv_heads: int) -> Array | None:
 
 
 def attention_forward(
-    xp: Any,
+    xp: ModuleType,
     q: Array,
     k: Array,
     v: Array,
@@ -376,7 +378,7 @@ def attention_forward(
 
 
 def attention_backward(
-    xp: Any,
+    xp: ModuleType,
     do: Array,
     q: Array,
     k: Array,
@@ -429,7 +431,7 @@ def attention_backward(
 
 
 def attention_with_cache(
-    xp: Any, q: Array, k: Array, v: Array, start: int, scale: float, window: int | None
+    xp: ModuleType, q: Array, k: Array, v: Array, start: int, scale: float, window: int | None
 ) -> Array:
     """Causal attention of new queries against a key/value cache (inference): q
     [B, kv_heads, n, group, D] at positions start..start+n-1, k and v [B, kv_heads, L, D] for
@@ -459,7 +461,7 @@ def attention_with_cache(
 
 
 def attention_at(
-    xp: Any, q: Array, k: Array, v: Array, position: Array, scale: float, window: int | None
+    xp: ModuleType, q: Array, k: Array, v: Array, position: Array, scale: float, window: int | None
 ) -> Array:
     """attention_with_cache for one new position held on the device (`position`, int32 [1]),
     over the whole cache (k, v [B, kv_heads, capacity, D]; keys after the position masked),
@@ -491,7 +493,7 @@ def attention_at(
 class GateKernels:
     """silu(gate)·up and its gradient, in `xp` (float32 math, results in the input dtype)."""
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: ModuleType) -> None:
         self.xp = xp
 
     def _sigmoid(self, gf: Array) -> Array:
@@ -535,7 +537,7 @@ def head_chunks(rows: int, vocab: int, chunk_elements: int) -> list[tuple[int, i
 
 
 def head_cross_entropy(
-    xp: Any,
+    xp: ModuleType,
     h: Array,
     head_weight: Array,
     targets: Array,

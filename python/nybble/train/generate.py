@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .model import DecoderLM
+from ..backends import Array
+from .model import DecoderLM, LayerCache
 
 
 @dataclass
@@ -103,8 +104,9 @@ def generate(
     try:
         cache = model.new_cache(1, len(ids) + max_new_tokens)
         started = time.perf_counter()
-        logits = model.next_logits(backend.from_host(np.asarray([ids], np.int64)), cache, 0)
-        token = pick(np.asarray(backend.to_host(logits))[0], temperature, top_p, rng)
+        first = model.next_logits(backend.from_host(np.asarray([ids], np.int64)), cache, 0)
+        token = pick(np.asarray(backend.to_host(first))[0], temperature, top_p, rng)
+        del first
         prefill = time.perf_counter() - started
         out: list[int] = []
         stopped = "length"
@@ -137,7 +139,9 @@ class _Step:
     device) or the host's float32 logits out. On a device with graphs, captured at its first
     call and replayed after."""
 
-    def __init__(self, model: DecoderLM, cache: list[Any], greedy: bool, graph: bool) -> None:
+    def __init__(
+        self, model: DecoderLM, cache: list[LayerCache], greedy: bool, graph: bool
+    ) -> None:
         self.model = model
         self.cache = cache
         self.greedy = greedy
@@ -146,7 +150,7 @@ class _Step:
         xp = model.xp
         self.token = xp.zeros((1, 1), np.int64)
         self.position = xp.zeros(1, np.int32)
-        self.result: Any = None
+        self.result: Array | None = None
         self.graph_error: str | None = None
 
     def _work(self) -> None:

@@ -9,29 +9,22 @@ gradients in `gradients()`.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from ..backends import Backend
+from ..backends import Array, Backend
 from ..lora.layers import LoraLinear, QLoraLinear
 from ..tensor import NF4Tensor
 
-Array = Any
-
 
 def matmul(backend: Backend, a: Array, b: Array) -> Array:
-    """a @ b for 2-D operands of one dtype, in that dtype. The CPU takes float32 to the Rust
-    core, float64 to numpy, and rounds the float32 product of 16-bit operands (numpy has no
-    fast 16-bit product); the GPU multiplies in the operands' dtype (cuBLAS, float32 sums)."""
-    if backend.device == "cuda":
-        return backend.matmul(a, b)
-    if a.dtype == np.float32 and b.dtype == np.float32:
-        return backend.matmul(a, b)
-    if a.dtype == np.float64:
-        return np.matmul(a, b)
-    product = backend.matmul(a.astype(np.float32), b.astype(np.float32))
-    return product.astype(a.dtype)
+    """a @ b for 2-D operands of one dtype, in that dtype (`Backend.matmul_in_dtype`: the CPU
+    takes float32 to the Rust core, float64 to numpy, and rounds the float32 product of 16-bit
+    operands; the GPU multiplies in the operands' dtype, cuBLAS with float32 sums)."""
+    return backend.matmul_in_dtype(a, b)
 
 
 class Projection(Protocol):
@@ -104,7 +97,7 @@ class FrozenQuantized:
 
     def _operand(self, x: Array) -> Array:
         # The CPU core multiplies float32; the GPU takes 16-bit and float32 activations.
-        if x.dtype == np.float64 or (self.backend.device == "cpu" and x.dtype != np.float32):
+        if x.dtype == np.float64 or (self.backend.float32_products and x.dtype != np.float32):
             return self.backend.xp.ascontiguousarray(x, dtype=np.float32)
         return self.backend.xp.ascontiguousarray(x)
 
@@ -126,17 +119,26 @@ class FrozenQuantized:
         return self.qweight.dequantize("float32")
 
 
+@dataclass(frozen=True, slots=True)
+class _DenseSaved:
+    """What a TrainableDense's backward needs from its forward. Dropped by `release()`, it
+    frees w, then x (slots are cleared by name), as the (x, w) pair it replaces did."""
+
+    x: Array  # the input [tokens, in]
+    w: Array  # W in the compute dtype, cast for this forward
+
+
 class TrainableDense:
     """A trainable W (full fine-tuning): `weight` is the float32 master (a view into the
     trainer's flat parameter buffer); products use its cast to the compute dtype, made once
     per forward and kept for backward. dL/dW = dyᵀ·x comes out in the master's dtype."""
 
-    def __init__(self, name: str, weight: Array, backend: Backend, dtype: Any) -> None:
+    def __init__(self, name: str, weight: Array, backend: Backend, dtype: DTypeLike) -> None:
         self.name = name
         self.weight = weight
         self.backend = backend
         self.dtype = np.dtype(dtype)
-        self._saved: tuple[Array, Array] | None = None
+        self._saved: _DenseSaved | None = None
         self.grad: Array | None = None
 
     @property
@@ -145,15 +147,15 @@ class TrainableDense:
 
     def forward(self, x: Array) -> Array:
         w = self.weight.astype(self.dtype, copy=False)
-        self._saved = (x, w)
+        self._saved = _DenseSaved(x, w)
         return matmul(self.backend, x, w.T)
 
     def backward(self, dy: Array) -> Array:
-        if self._saved is None:
+        saved = self._saved
+        if saved is None:
             raise ValueError(f"{self.name}: backward() needs a forward() first")
-        x, w = self._saved
-        self.grad = matmul(self.backend, dy.T, x).astype(self.weight.dtype, copy=False)
-        return matmul(self.backend, dy, w)
+        self.grad = matmul(self.backend, dy.T, saved.x).astype(self.weight.dtype, copy=False)
+        return matmul(self.backend, dy, saved.w)
 
     def release(self) -> None:
         self._saved = None
@@ -170,7 +172,7 @@ class LoraProjection:
     (and DoRA's magnitude) trainable. The layer keeps its own forward state; results come back
     in the model's compute dtype (the CPU layers compute float32)."""
 
-    def __init__(self, name: str, layer: LoraLinear | QLoraLinear, dtype: Any) -> None:
+    def __init__(self, name: str, layer: LoraLinear | QLoraLinear, dtype: DTypeLike) -> None:
         self.name = name
         self.layer = layer
         self.dtype = np.dtype(dtype)

@@ -11,13 +11,16 @@ order. docs/training.md describes the model, its memory and the dtypes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import backends
-from ..backends import Backend
+from ..backends import Array, Backend
 from ..formats import numpy_dtype
 from ..lora.adapter import LoraAdapter
 from ..lora.config import LoraConfig
@@ -34,7 +37,6 @@ from .linear import (
 )
 from .weights import RandomWeights, WeightSource
 
-Array = Any
 #: Projections of a decoder layer by their short name, with their path below the layer.
 PROJECTIONS = {
     "q_proj": "self_attn.q_proj",
@@ -53,9 +55,11 @@ def layer_prefix(index: int) -> str:
     return f"model.layers.{index}"
 
 
-@dataclass
+@dataclass(frozen=True)  # without slots=True: see below
 class _Saved:
-    """What a decoder layer's backward needs from its forward."""
+    """What a decoder layer's backward needs from its forward. Its arrays are freed when the
+    backward drops it, in the order of the fields (the order the GPU run frees them in, which
+    the memory estimator records: Python clears `__slots__` sorted by name instead)."""
 
     x: Array
     rstd_in: Array
@@ -303,6 +307,16 @@ class DecoderLayer:
         return y.reshape(shape)
 
 
+@dataclass(frozen=True, slots=True)
+class _HeadSaved:
+    """What the backward of the final norm and the LM head needs from the loss."""
+
+    x: Array  # the norm's input [N, hidden]
+    rstd: Array  # the norm's rstd
+    dh: Array | None  # dL/d(the norm's output), in its dtype
+    dw: Array | None  # dL/d(the head's weight), where it trains
+
+
 @dataclass
 class LayerCache:
     """One layer's keys (after rotary positions) and values [B, kv_heads, capacity, D]."""
@@ -355,9 +369,7 @@ class DecoderLM:
         self.scale = config.head_dim**-0.5
         self.attention_chunk_elements = F.ATTENTION_CHUNK_ELEMENTS
         self.head_chunk_elements = F.HEAD_CHUNK_ELEMENTS
-        self.use_fused_kernels(False)
-        if backend.device == "cuda":
-            self.use_fused_kernels(True)
+        self.use_fused_kernels(backend.cuda_kernels)
         self.training = True
         #: every weight frozen, nothing trainable (inference: `next_logits`, `loss`)
         self.frozen = bool(frozen)
@@ -369,7 +381,7 @@ class DecoderLM:
         self.grads: dict[str, Array | None] = {}
         self._rope: dict[int, tuple[Array, Array]] = {}
         #: the namespace of the host arrays the weights came in (numpy, or a recording's)
-        self._host_xp: Any = np
+        self._host_xp: ModuleType = np
         #: Trainable parameter names in the order of the flat buffer.
         self.trainable: list[str] = []
         self._dense_trainable: list[str] = []  # those that live in `weights` (not projections)
@@ -462,7 +474,7 @@ class DecoderLM:
             initial[weight] = w
             self.trainable.append(weight)
             return TrainableDense(name, w, backend, self.dtype)  # weight: a view, once flat
-        base: Any
+        base: NF4Tensor | np.ndarray
         if self.quant is not None:
             base = source.quantized(weight, shape, blocksize, double_quant)
         else:
@@ -472,18 +484,17 @@ class DecoderLM:
             if not isinstance(base, NF4Tensor):
                 base = backends.of(base).xp.asarray(base, np.float32)
             layer = self.adapter.add_layer(name, base)
-            if backend.device == "cuda":
-                layer.cuda()
+            layer._to(backend)  # built on the host: its arrays to the model's device
             projection = LoraProjection(name, layer, self.dtype)
             for pname, value in projection.parameters().items():
                 initial[pname] = backend.to_host(value)
                 self.trainable.append(pname)
             return projection
         if isinstance(base, NF4Tensor):
-            return FrozenQuantized(name, base.cuda() if backend.device == "cuda" else base, backend)
+            return FrozenQuantized(name, base._moved(backend), backend)
         return FrozenDense(name, self._to_device(base, self.dtype), backend)
 
-    def _to_device(self, host: np.ndarray, dtype: Any) -> Array:
+    def _to_device(self, host: Array, dtype: DTypeLike) -> Array:
         """A host array on the model's device in `dtype`, made contiguous by the namespace of
         the host arrays (numpy's, or a recording's, whose host arrays hold no values)."""
         xp = backends.of(host).xp
@@ -533,7 +544,7 @@ class DecoderLM:
         self.gate: Any = F.GateKernels(self.xp)
         self.norm: Any = F.NormKernels(self.xp)
         self.heads: Any = F.HeadKernels(self.xp)
-        if fused and self.backend.device == "cuda":
+        if fused and self.backend.cuda_kernels:  # the GPU (or a recording of it)
             from . import _cuda
 
             if _cuda.supports(self.dtype):
@@ -575,7 +586,7 @@ class DecoderLM:
         if grad is not None:
             self.grads[name] = grad
 
-    def collect_projection_grads(self, projections: Any) -> None:
+    def collect_projection_grads(self, projections: Iterable[Projection]) -> None:
         for proj in projections:
             for name, grad in proj.gradients().items():
                 if grad is not None:
@@ -597,7 +608,7 @@ class DecoderLM:
     def _embed(self, ids: Array) -> Array:
         return F.embedding_forward(self.weights["model.embed_tokens.weight"], ids, self.dtype)
 
-    def _final(self, x: Array, targets: Array, count: int, grad: bool) -> tuple[Array, Any]:
+    def _final(self, x: Array, targets: Array, count: int, grad: bool) -> tuple[Array, _HeadSaved]:
         cfg, xp = self.config, self.xp
         n = x.shape[0] * x.shape[1]
         x2 = x.reshape(n, cfg.hidden_size)
@@ -614,14 +625,15 @@ class DecoderLM:
             weight_grad=grad and self.full,
             chunk_elements=self.head_chunk_elements,
         )
-        return loss, (x2, rstd, dh, dw)
+        return loss, _HeadSaved(x2, rstd, dh, dw)
 
     def cast_adapters(self, on: bool) -> None:
         """With `on`, every LoRA projection's A and B in the compute dtype for this step, cast
         in one launch (views of one cast of the flat buffer); without, none (the parameters
         are about to change)."""
         flat = None
-        if on and self.backend.device == "cuda" and self.dtype != self.param_dtype:
+        # (where the products run in the compute dtype: the CPU's layers multiply float32)
+        if on and not self.backend.float32_products and self.dtype != self.param_dtype:
             flat = self.flat.astype(self.dtype)
         for proj in self.lora_projections.values():
             if flat is None:
@@ -670,7 +682,7 @@ class DecoderLM:
         x = self._embed(ids)
         inputs: list[Array] = []
         saved: list[_Saved | None] = []
-        dropout: list[dict[str, Any]] = []
+        dropout: list[dict[str, int | None]] = []
         for layer in self.layers:
             if self.gradient_checkpointing:
                 inputs.append(x)
@@ -679,8 +691,9 @@ class DecoderLM:
             else:
                 x, s = layer.forward(x, True, positions)
                 saved.append(s)
-        loss, (x2, rstd, dh, dw_head) = self._final(x, targets, count, grad=True)
-        del x
+        loss, head = self._final(x, targets, count, grad=True)
+        x2, rstd, dh, dw_head = head.x, head.rstd, head.dh, head.dw
+        del x, head
         dx, dw = self.norm.backward(
             dh, x2, rstd, self.weights["model.norm.weight"], self.norms_trainable
         )
@@ -751,12 +764,12 @@ class DecoderLM:
         h, _ = self.norm.forward(x[:, 0, :], self.weights["model.norm.weight"], cfg.rms_norm_eps)
         return self._mm(h, self.head_weight().T).astype(np.float32)
 
-    def _dropout_states(self, layer: DecoderLayer) -> dict[str, Any]:
+    def _dropout_states(self, layer: DecoderLayer) -> dict[str, int | None]:
         return {
             p.name: p.dropout_state() for p in layer.proj.values() if isinstance(p, LoraProjection)
         }
 
-    def _set_dropout_states(self, layer: DecoderLayer, states: dict[str, Any]) -> None:
+    def _set_dropout_states(self, layer: DecoderLayer, states: dict[str, int | None]) -> None:
         for proj in layer.proj.values():
             if isinstance(proj, LoraProjection):
                 proj.set_dropout_state(states.get(proj.name))

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import backends, safetensors_io
 from .._files import remove_stale_temporaries, replace_file, write_temporary
+from ..backends import Array
 from ..errors import FormatError
 from ..formats import numpy_dtype
 from ..lora.adapter import LoraAdapter
@@ -28,6 +29,7 @@ from ..lora.layers import QLoraLinear
 from ..lora.optim import AdamW
 from ..models.tokenizer import Tokenizer
 from ..safetensors_io import Entry
+from ..tensor import NF4Tensor
 from .config import TransformerConfig
 from .functional import IGNORE_INDEX
 from .generate import Generation
@@ -97,16 +99,13 @@ class Trainer:
             raise ValueError(f"schedule must be an LRSchedule or None, got {schedule!r}")
         if device not in backends.DEVICES:
             raise ValueError(f"device must be one of {backends.DEVICES}, got {device!r}")
-        if compute_dtype is None:
-            compute_dtype = "bfloat16" if device == "cuda" else "float32"
-        if compute_dtype not in ("float32", "bfloat16"):
+        if compute_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
         self.config = model_config.validate()
         self.lora = lora
         self.quant = quant
         self.device = device
         self.seed = seed
-        self.compute_dtype = compute_dtype
         self.blocksize = blocksize
         self.double_quant = double_quant
         #: where the base model's weights came from (None: seeded random weights)
@@ -117,12 +116,14 @@ class Trainer:
         #: the model's tokenizer (set by from_pretrained where the files carry one)
         self.tokenizer: Tokenizer | None = None
         self.backend = backends.get(device)
+        #: the activations' dtype (by default the device's: `Backend.default_compute_dtype`)
+        self.compute_dtype: str = compute_dtype or self.backend.default_compute_dtype
         self.model = DecoderLM(
             model_config,
             self.backend,
             lora=lora,
             quant=quant,
-            compute_dtype=compute_dtype,
+            compute_dtype=self.compute_dtype,
             seed=seed,
             gradient_checkpointing=gradient_checkpointing,
             blocksize=blocksize,
@@ -276,7 +277,9 @@ class Trainer:
         finally:
             self.model.train(True)
 
-    def _batch(self, inputs: Any, targets: Any, starts: Any = None) -> tuple[Any, Any, int, Any]:
+    def _batch(
+        self, inputs: Any, targets: Any, starts: Any = None
+    ) -> tuple[Array, Array, int, Array | None]:
         vocab = self.config.vocab_size
         ids = self._host_tokens(inputs, "inputs")
         tgt = self._host_tokens(targets, "targets")
@@ -312,7 +315,7 @@ class Trainer:
 
     def _host_tokens(self, a: Any, what: str) -> np.ndarray:
         source = backends.of(a)
-        host = source.to_host(source.asarray(a, what)) if source.device != "cpu" else np.asarray(a)
+        host = source.to_host(source.asarray(a, what))
         if host.dtype.kind not in "iu":
             raise ValueError(f"{what}: expected integer token ids, got dtype {host.dtype}")
         if host.ndim == 1:
@@ -609,7 +612,7 @@ def _lora_record(config: LoraConfig) -> dict[str, Any]:
     return record
 
 
-def _base_of(projection: LoraProjection) -> Any:
+def _base_of(projection: LoraProjection) -> NF4Tensor | Array:
     layer = projection.layer
     return layer.qweight if isinstance(layer, QLoraLinear) else layer.weight
 

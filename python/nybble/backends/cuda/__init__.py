@@ -40,6 +40,9 @@ TILE_BYTES = 128 << 20
 
 class CudaBackend:
     device: Device = "cuda"
+    float32_products = False
+    cuda_kernels = True
+    default_compute_dtype: OutputDtype = "bfloat16"
 
     def __init__(self) -> None:
         self.xp: ModuleType = cp
@@ -188,6 +191,9 @@ class CudaBackend:
         else:
             out[...] = r
         return out
+
+    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+        return self.matmul(a, b)
 
     def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
         pair = launch.narrow_pair(a, b, dtype_name(dtype))  # float32 to 16 bits, one launch

@@ -8,7 +8,9 @@ Two things stand in for the GPU run:
 - `RecordingBackend`, in place of the CUDA backend (`backends.cuda`): each primitive allocates
   what that backend allocates for it (outputs, the copies it makes of operands cuBLAS cannot
   read, the dequantized tiles of a quantized product, the non-finite checks' slots), in the
-  same order; its `device` is "cuda", so the code above the seam takes its GPU paths;
+  same order; its `device` is "cuda" and its capabilities (`float32_products`, `cuda_kernels`,
+  `default_compute_dtype`) are the CUDA backend's, so the code above the seam takes its GPU
+  paths;
 - its `xp` (`arrays.Namespace`), in place of CuPy: array creation, views, elementwise math,
   reductions and indexing, each allocating what CuPy 14 allocates for it, and its kernels
   (`RawModule`) launch nothing.
@@ -98,7 +100,12 @@ class RecordingBackend:
 
     def __init__(self, recorder: Recorder | None, host: RecordingBackend | None = None) -> None:
         self.recorder = recorder
-        self.device: Device = "cuda" if recorder is not None else "cpu"
+        gpu = recorder is not None
+        self.device: Device = "cuda" if gpu else "cpu"
+        # the capabilities of the device it stands for (backends.cuda's, or the CPU's)
+        self.float32_products = not gpu
+        self.cuda_kernels = gpu
+        self.default_compute_dtype: OutputDtype = "bfloat16" if gpu else "float32"
         self.xp: Any = Namespace(self)
         self._host = host
         #: the kernels' format tables, made on the GPU at their first use and kept
@@ -246,6 +253,9 @@ class RecordingBackend:
         if out is None:
             return r if out_dtype is None else r.astype(out_dtype)
         return out
+
+    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+        return self.matmul(a, b)
 
     def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
         name = dtype_name(np.dtype(dtype))
