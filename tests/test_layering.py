@@ -26,6 +26,9 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 KNOWN_DEVICE_IMPORTS = {
     ("torch", "nybble.backends.cpu"),
     ("torch", "nybble.backends.cuda.arrays"),
+    # the trainer's fused kernels compiled and launched as the library's are (train/_cuda.py,
+    # GPU-only host code like nybble.cuda; issue 40: to be asked of the backend instead)
+    ("train", "nybble.backends.cuda.kernels"),
 }
 
 #: The device libraries: their arrays and calls belong behind the seam (backends/).
