@@ -13,7 +13,7 @@ Two things stand in for the GPU run:
   paths;
 - its `xp` (`arrays.Namespace`), in place of CuPy: array creation, views, elementwise math,
   reductions and indexing, each allocating what CuPy 14 allocates for it, and its kernels
-  (`RawModule`) launch nothing.
+  (`kernel_module`, in place of backends/cuda/kernels' compiled modules) launch nothing.
 
 A host flavour of the backend (device "cpu", `host()`) holds the host arrays of a run (the
 weights as read, before they move to the GPU): they record nothing.
