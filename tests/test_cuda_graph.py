@@ -232,12 +232,10 @@ def test_work_that_waits_inside_a_capture_raises_its_own_error() -> None:
 
 
 def launched(weight: Any, x: Any) -> bool:
-    """Whether `weight`'s launch for tokens like x (the one its checked and fast paths share:
-    the core's, or else the ctypes one) has launched, so that its next launch is programmatic
-    where the weight's are."""
-    call = weight._fast[(x.dtype, x.shape)]
-    made = weight._launches[(x.dtype, x.shape[0])]
-    return bool(getattr(call, "primed", made._primed))
+    """Whether `weight`'s launch for tokens like x (the core's, which its checked and fast
+    paths share) has launched, so that its next launch is programmatic where the weight's
+    are."""
+    return bool(weight._fast[(x.dtype, x.shape)].primed)
 
 
 def edge_types(graph: Any) -> list[int]:
