@@ -46,6 +46,10 @@ Parts (`--parts`, comma-separated; `compile` is `compile-generate,compile-train`
   compile time (the first compiled call) and whether the ids agree.
 - `compile-train`: the plain-loop step eager, then with `torch.compile(model)` (mode
   `--train-compile-mode`), the same data; the median step of each, the compile time, peaks.
+- `profile`: where a step's time goes: the plain-loop step under bf16 autocast (as the
+  `Trainer` runs it), the median of `--steps` steps after two warm-ups, then one step under
+  torch's profiler: its total self time on the host and on the GPU, and the operators and
+  kernels that take the most of each.
 
 Writes torch_gpu.json (into benchmarks/results/ by default; records of other models and
 parts already in the file are kept) after each part, and prints a table of nybble/bnb ratios.
@@ -76,7 +80,7 @@ PROMPT = 32
 WARMUP = 2
 TRAIN_LR = 1e-4
 CURVE_LR = 1e-3
-PARTS = ("train", "trainer", "curve", "generate", "compile-generate", "compile-train")
+PARTS = ("train", "trainer", "curve", "generate", "compile-generate", "compile-train", "profile")
 ALIASES = {"compile": ("compile-generate", "compile-train")}
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -610,6 +614,52 @@ def part_compile_train(side: str, args: argparse.Namespace, dev: Device) -> dict
     return rec
 
 
+def part_profile(side: str, args: argparse.Namespace, dev: Device) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model, rec = lora_model(side, args, dev)
+    opt = optimizer(model, TRAIN_LR)
+    data = batches(model.config.vocab_size, args.seq, 1, dev.kind)
+
+    def step() -> float:
+        with torch.autocast(dev.kind, dtype=torch.bfloat16):
+            ids = next(data)
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    times = [timed(dev, step)[0] for _ in range(WARMUP + args.steps)][WARMUP:]
+    rec.update(step_ms=ms(statistics.median(times)), steps_ms=[ms(t) for t in times])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        dev.sync()
+    events = prof.key_averages()
+
+    def top(key: str, n: int) -> list[dict[str, Any]]:
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
+        return [
+            dict(name=e.key[:90], self_us=round(getattr(e, key), 1), calls=e.count)
+            for e in ranked
+            if getattr(e, key) > 0
+        ]
+
+    gpu_key = "self_device_time_total"
+    rec.update(
+        profiled_host_ms=round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
+        top_host=top("self_cpu_time_total", 12),
+    )
+    if dev.cuda:
+        rec.update(
+            profiled_gpu_ms=round(sum(getattr(e, gpu_key) for e in events) / 1e3, 2),
+            top_gpu=top(gpu_key, 10),
+        )
+    return rec
+
+
 WORKERS = {
     "train": part_train,
     "trainer": part_trainer,
@@ -617,6 +667,7 @@ WORKERS = {
     "generate": part_generate,
     "compile-generate": part_compile_generate,
     "compile-train": part_compile_train,
+    "profile": part_profile,
 }
 
 
@@ -700,7 +751,10 @@ def compare(rec: dict[str, Any]) -> None:
         return round(x / y, 3) if x and y else None
 
     part = rec["part"]
-    if part in ("train", "trainer", "compile-train"):
+    if part == "profile":
+        rec["step_nybble_over_bnb"] = ratio("step_ms")
+        rec["gpu_nybble_over_bnb"] = ratio("profiled_gpu_ms")
+    elif part in ("train", "trainer", "compile-train"):
         rec["step_nybble_over_bnb"] = ratio("step_ms")
         rec["memory_nybble_over_bnb"] = ratio("peak_reserved")
         if part == "compile-train":
@@ -754,6 +808,10 @@ def summary(records: list[dict[str, Any]]) -> str:
         if part in ("train", "trainer"):
             row(rec, "step ms", lambda s: s.get("step_ms"))
             row(rec, "peak reserved GiB", gib("peak_reserved"))
+        elif part == "profile":
+            row(rec, "autocast step ms", lambda s: s.get("step_ms"))
+            row(rec, "profiled host ms", lambda s: s.get("profiled_host_ms"))
+            row(rec, "profiled GPU ms", lambda s: s.get("profiled_gpu_ms"))
         elif part == "curve":
             row(rec, "first loss", lambda s: (s.get("losses") or [None])[0])
             row(rec, "last loss", lambda s: (s.get("losses") or [None])[-1])

@@ -45,7 +45,7 @@ def args(bench: Any, tmp_path_factory: pytest.TempPathFactory) -> argparse.Names
     )
 
 
-@pytest.mark.parametrize("part", ["train", "trainer", "curve", "generate"])
+@pytest.mark.parametrize("part", ["train", "trainer", "curve", "generate", "profile"])
 def test_each_part_runs_on_the_cpu(bench: Any, args: argparse.Namespace, part: str) -> None:
     rec = bench.WORKERS[part]("nybble", args, bench.Device("cpu"))
     assert rec["quantized_layers"] == 7
@@ -56,6 +56,9 @@ def test_each_part_runs_on_the_cpu(bench: Any, args: argparse.Namespace, part: s
         assert len(rec["losses"]) == 3 and rec["losses"][-1] < rec["losses"][0]
     if part == "generate":
         assert rec["tokens_per_s"] > 0 and len(rec["ids"]) == 4
+    if part == "profile":
+        assert rec["step_ms"] > 0 and rec["profiled_host_ms"] > 0 and rec["top_host"]
+        assert "profiled_gpu_ms" not in rec  # no GPU: no GPU figures
 
 
 def test_the_adapters_start_alike_whatever_the_global_generator(
