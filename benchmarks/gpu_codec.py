@@ -267,15 +267,21 @@ class Bench:
         empty_call = per_call(lambda i: _EMPTY((1,), (32,), ()), self.repeat)
         self.record("per call: an empty CuPy kernel launch", "-", empty_call)
         # The floor of nybble's own launch paths, a kernel with no work (narrow_f64 over 0
-        # elements): the prepared ctypes launch, and the core's (what the GEMV's fast path and
-        # a whole dequantize use).
+        # elements), both through the core's launcher (_core.KernelLaunch): a prepared launch's
+        # call (kernels.PreparedLaunch: its lock and slots set in Python, then the core's
+        # launch), and the core's launch called directly (what the GEMV's fast path and a whole
+        # dequantize use).
         module = kernels.module()
         dummy = cp.empty(2, cp.float64)
         floor = kernels.PreparedLaunch(
             module.function("narrow_f64"), 1, 32, (dummy, np.int64(0), dummy)
         )
         prepared = per_call(lambda i: floor(), self.repeat)
-        self.record("per call: an empty kernel, prepared ctypes launch", "-", prepared)
+        self.record(
+            "per call: an empty kernel, prepared launch (PreparedLaunch, then the core's)",
+            "-",
+            prepared,
+        )
         core = floor.call_setting(())
         stream = cp.cuda.get_current_stream().ptr
         native = per_call(lambda i: core(stream), self.repeat)

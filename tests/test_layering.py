@@ -26,17 +26,10 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 KNOWN_DEVICE_IMPORTS = {
     ("torch", "nybble.backends.cpu"),
     ("torch", "nybble.backends.cuda.arrays"),
-    # the trainer's fused kernels compiled and launched as the library's are (train/_cuda.py,
-    # GPU-only host code like nybble.cuda; issue 40: to be asked of the backend instead)
-    ("train", "nybble.backends.cuda.kernels"),
 }
 
 #: The device libraries: their arrays and calls belong behind the seam (backends/).
 DEVICE_LIBRARIES = ("cupy", "cupyx", "cupy_backends")
-#: Modules of train/ that import a device library themselves: the fused kernels' host code,
-#: which the memory estimator loads once more with CuPy's name bound to a recording's array
-#: namespace (memory/trainer_run.py). A stale entry fails the test.
-KNOWN_TRAIN_DEVICE_IMPORTERS = {"nybble.train._cuda"}
 
 
 def _layers() -> list[list[str]]:
@@ -206,17 +199,15 @@ def _library_imports(source: str) -> list[tuple[str, int]]:
 def test_the_trainer_imports_no_device_library() -> None:
     """train/ is written once over the seam: its device decisions are the backend's
     (`Backend.float32_products`, `cuda_kernels`, `default_compute_dtype`, `matmul_in_dtype`),
-    so none of its modules imports CuPy, but the fused kernels' host code
-    (KNOWN_TRAIN_DEVICE_IMPORTERS)."""
+    and its fused kernels (train/_cuda.py) are compiled by the backend (`kernel_module`, whose
+    kernels launch through the core's launcher) over the backend's arrays (`xp`), so none of
+    its modules imports CuPy."""
     importers: dict[str, list[str]] = defaultdict(list)
     for path in sorted((PACKAGE / "train").rglob("*.py")):
         for package, line in _library_imports(path.read_text(encoding="utf-8")):
             if package in DEVICE_LIBRARIES:
                 importers[_module_name(path)].append(f"{path.relative_to(ROOT)}:{line}")
-    wrong = {k: v for k, v in importers.items() if k not in KNOWN_TRAIN_DEVICE_IMPORTERS}
-    assert not wrong, f"train/ modules importing a device library: {wrong}"
-    stale = KNOWN_TRAIN_DEVICE_IMPORTERS - set(importers)
-    assert not stale, f"gone: delete them from KNOWN_TRAIN_DEVICE_IMPORTERS: {stale}"
+    assert not importers, f"train/ modules importing a device library: {dict(importers)}"
 
 
 def test_library_imports_are_read_at_every_level() -> None:

@@ -15,7 +15,7 @@ never ask which device they are on. docs/architecture.md shows the data flow.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Literal, Protocol, SupportsIndex, overload
 
@@ -178,6 +178,30 @@ class FiniteCheck(Protocol):
         ...
 
 
+class Kernel(Protocol):
+    """One compiled kernel (`KernelModule.function`), launched as CuPy's kernels are called:
+    the grid an int or a tuple of up to 3, the block 1-D, the arguments device arrays (their
+    address) or numpy scalars of the kernel's parameter types, on the current stream."""
+
+    def __call__(self, grid: Any, block: Any, args: Sequence[Any], shared_mem: int = 0) -> None: ...
+
+
+class KernelModule(Protocol):
+    """A file of kernels/ compiled for one device (`Backend.kernel_module`): the backend keeps
+    one a device, file and options, so callers may key what they keep on it."""
+
+    def __hash__(self) -> int: ...
+
+    def function(self, name: str, dynamic_shared: int = 0) -> Kernel:
+        """The kernel `name`, allowed `dynamic_shared` bytes of dynamic shared memory."""
+        ...
+
+    def read_facts(self, symbol: str, count: int) -> tuple[int, ...]:
+        """The first `count` values of the module's facts array `symbol` (its launch sizes,
+        each defined once in the file)."""
+        ...
+
+
 class Backend(Protocol):
     """The array primitives every device implements. Arrays are the backend's own (numpy or
     CuPy); `Packed` carries a quantized tensor's arrays and format."""
@@ -194,6 +218,19 @@ class Backend(Protocol):
     cuda_kernels: bool
     #: The activations' dtype a trainer on this device computes in unless told otherwise.
     default_compute_dtype: OutputDtype
+
+    # --- run-time compiled kernels (where `cuda_kernels`) ----------------------------------
+
+    def kernel_module(self, file: str, options: Sequence[str]) -> KernelModule:
+        """The kernels of kernels/`file` compiled with the NVRTC `options` for the current
+        device, once a device (on the GPU backends/cuda/kernels.module, the one compile path
+        of every file; a recording's compile and launch nothing). RuntimeError on the CPU."""
+        ...
+
+    def compute_capability(self) -> int | None:
+        """The current device's compute capability as a number (80 for 8.0), or None where no
+        device runs the kernels (the CPU; a recording, which takes every kernel)."""
+        ...
 
     # --- arrays in and out ---------------------------------------------------------------
 
@@ -357,6 +394,15 @@ def get(device: str) -> Backend:
 _gpu_override: ContextVar[Backend | None] = ContextVar("nybble_gpu_override", default=None)
 
 
+def kernel_source(file: str) -> str:
+    """The CUDA source `file` of kernels/ as the extension ships it (`_core.kernel_sources()`),
+    or with `NYBBLE_KERNELS_DIR` set, the file in that directory: what `kernel_module`
+    compiles (backends/cuda/kernels.source, the one look-up). Needs neither CuPy nor a GPU."""
+    from .cuda import kernels
+
+    return kernels.source(file)
+
+
 def same(*arrays: Any) -> Backend:
     """The one backend of several arrays (None entries skipped), or ValueError naming the two
     devices when they differ."""
@@ -441,9 +487,12 @@ __all__ = [
     "Device",
     "FiniteCheck",
     "FloatDtype",
+    "Kernel",
+    "KernelModule",
     "checks_at_once",
     "compute_dtype",
     "get",
+    "kernel_source",
     "of",
     "same",
 ]

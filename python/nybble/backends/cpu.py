@@ -3,7 +3,7 @@ SIMD codec, GEMM, tiled products with a quantized weight), with the GIL released
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..formats import (
     float_dtype,
     numpy_dtype,
 )
-from . import Device
+from . import Device, KernelModule
 
 
 def as_numpy(x: Any, what: str = "x") -> np.ndarray:
@@ -79,6 +79,12 @@ class CpuBackend:
     float32_products = True
     cuda_kernels = False
     default_compute_dtype: OutputDtype = "float32"
+
+    def kernel_module(self, file: str, options: Sequence[str]) -> KernelModule:
+        raise RuntimeError(f"{file}: the CPU runs no CUDA kernels (cuda_kernels is False)")
+
+    def compute_capability(self) -> int | None:
+        return None
 
     def asarray(self, x: Any, what: str = "x") -> np.ndarray:
         return as_numpy(x, what)

@@ -15,10 +15,12 @@ which `functional.attention_forward` / `attention_backward` try first, launch th
 bfloat16 is handled as raw 16-bit words (widened exactly, rounded to nearest even), float32
 as is; the math is float32. The sources are kernels/train.cu (the row kernels) and
 kernels/attention.cu, embedded in the extension (`_core.kernel_sources()`), compiled on first
-use and launched as the library's own kernels are (backends/cuda/kernels.py: NVRTC to the
-device's machine code, one module per device, launches through the Rust core's launcher on
-CuPy's current stream), with the options given here; the flash kernels' launch sizes are read
-back from their module (`FlashFacts`). Importing this module needs neither CuPy nor a GPU.
+use and launched as the library's own kernels are, with the options given here: the GPU's
+backend (`backends.get("cuda")`) compiles them (`Backend.kernel_module`: NVRTC to the device's
+machine code, one module per device, launches through the Rust core's launcher on CuPy's
+current stream) and makes their arrays (`xp`); inside a recording (backends/record) that is
+the recording, whose modules compile and launch nothing. The flash kernels' launch sizes are
+read back from their module (`FlashFacts`). This module imports no device library.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import backends
 from ..formats import dtype_name
 from . import functional as F
 
@@ -39,10 +42,8 @@ KERNEL_FILE = "train.cu"
 def source(file: str) -> str:
     """The CUDA source `file` of kernels/ as the extension ships it (`_core.kernel_sources()`),
     or with `NYBBLE_KERNELS_DIR` set, the file in that directory: what the modules here
-    compile (backends/cuda/kernels.source, the one look-up)."""
-    from ..backends.cuda import kernels
-
-    return kernels.source(file)
+    compile (backends.kernel_source, the one look-up)."""
+    return backends.kernel_source(file)
 
 
 #: The kernels' names, for the compile check.
@@ -86,31 +87,21 @@ FLUSH_TO_ZERO = "-ftz=true"
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", FLUSH_TO_ZERO)
 
 
-def _load(file: str, options: tuple[str, ...], device: int) -> Any:
-    """The kernels of kernels/`file` compiled with `options` for `device`, loaded as the
-    library's are (backends/cuda/kernels.module: functions by name launched through the core's
-    launcher, and `read_facts`); in a recording (backends/record), whose namespace stands in
-    for CuPy, the namespace's stand-in, whose kernels launch nothing."""
-    import cupy as cp
-
-    stand_in = getattr(cp, "kernel_module", None)  # not CuPy's: a recording's namespace
-    if stand_in is not None:
-        return stand_in(file, options)
-    from ..backends.cuda import kernels
-
-    return kernels.module(device=device, file=file, options=options)
+def _backend() -> backends.Backend:
+    """The GPU's backend, whose device the kernels run on: it compiles them
+    (`kernel_module`, one module a device) and makes their arrays (`xp`); inside a recording
+    (backends/record) the recording, whose modules compile and launch nothing."""
+    return backends.get("cuda")
 
 
-@functools.cache
-def _module(device: int) -> Any:
-    return _load(KERNEL_FILE, COMPILE_OPTIONS, device)
+def _module(backend: backends.Backend) -> backends.KernelModule:
+    """The row kernels compiled for the current device (the backend keeps one a device)."""
+    return backend.kernel_module(KERNEL_FILE, COMPILE_OPTIONS)
 
 
-def _kernel(name: str, dtype: Any) -> Any:
-    import cupy as cp
-
+def _kernel(backend: backends.Backend, name: str, dtype: Any) -> backends.Kernel:
     suffix = SUFFIX[dtype_name(np.dtype(dtype))]
-    return _module(cp.cuda.runtime.getDevice()).function(f"{name}_{suffix}")
+    return _module(backend).function(f"{name}_{suffix}")
 
 
 def _check(what: str, a: Any, dtype: Any, shape: tuple[int, ...] | None = None) -> None:
@@ -214,7 +205,7 @@ class FusedSoftmax:
             return
         args = _row_args(s, lse, t0, group, window, scale)
         rows = int(s.shape[0] * s.shape[1])
-        kernel = _kernel("softmax_forward", s.dtype)
+        kernel = _kernel(_backend(), "softmax_forward", s.dtype)
         kernel((rows,), (ROW_THREADS,), (s, lse, *args, *_starts_args(starts, int(s.shape[0]))))
 
     def backward(
@@ -237,7 +228,7 @@ class FusedSoftmax:
             return
         args = _row_args(s, lse, t0, group, window, scale)
         rows = int(s.shape[0] * s.shape[1])
-        kernel = _kernel("softmax_backward", s.dtype)
+        kernel = _kernel(_backend(), "softmax_backward", s.dtype)
         starts_args = _starts_args(starts, int(s.shape[0]))
         kernel((rows,), (ROW_THREADS,), (s, dp, lse, delta, *args, *starts_args))
 
@@ -298,20 +289,19 @@ FLASH_KERNEL_NAMES = (
 def flash_shared_bytes(kind: str, d: int) -> int:
     """Dynamic shared memory of a block of flash kernel `kind` (forward, dq, dkdv) for heads of
     `d` on the current device (the layouts at the top of each kernel, FlashFacts)."""
-    import cupy as cp
-
-    return _flash_facts(cp.cuda.runtime.getDevice()).shared(kind, d)
+    return _flash_facts(_backend()).shared(kind, d)
 
 
-@functools.cache
-def _flash_module(device: int) -> Any:
-    return _load(FLASH_FILE, FLASH_COMPILE_OPTIONS, device)
+def _flash_module(backend: backends.Backend) -> backends.KernelModule:
+    """The flash kernels compiled for the current device with FLASH_COMPILE_OPTIONS as they
+    are now (the backend keeps one a device and options: a build with other options, as
+    benchmarks/attention_gpu.py makes, is a module of its own)."""
+    return backend.kernel_module(FLASH_FILE, FLASH_COMPILE_OPTIONS)
 
 
-def _flash_facts(device: int) -> FlashFacts:
-    """The launch sizes of the flash module `device` has now (a build with other options, as
-    benchmarks/attention_gpu.py makes, has its own)."""
-    return _module_facts(_flash_module(device))
+def _flash_facts(backend: backends.Backend) -> FlashFacts:
+    """The launch sizes of the flash module the current device has now."""
+    return _module_facts(_flash_module(backend))
 
 
 @functools.cache
@@ -319,23 +309,17 @@ def _module_facts(module: Any) -> FlashFacts:
     return FlashFacts(*module.read_facts(FLASH_FACTS_SYMBOL, len(FlashFacts._fields)))
 
 
-@functools.cache
-def _flash_kernel(device: int, name: str, shared: int) -> Any:
+def _flash_kernel(backend: backends.Backend, name: str, shared: int) -> backends.Kernel:
     """The flash kernel `name`, allowed `shared` bytes of dynamic shared memory (the opt-in to
-    more than a block gets by default, 48 KiB, made when it is loaded)."""
-    return _flash_module(device).function(name, shared)
+    more than a block gets by default, 48 KiB, made when it is loaded; the module keeps it)."""
+    return _flash_module(backend).function(name, shared)
 
 
-@functools.cache
-def _flash_capable(device: int) -> bool:
-    """Whether the device has the flash kernels' instructions (bf16 mma.sync, cp.async:
-    compute capability 8.0 or later)."""
-    import cupy as cp
-
-    device_type = getattr(cp.cuda, "Device", None)
-    if device_type is None:  # a recording's namespace (backends/record): nothing runs
-        return True
-    return int(device_type(device).compute_capability) >= 80
+def _flash_capable(backend: backends.Backend) -> bool:
+    """Whether the current device has the flash kernels' instructions (bf16 mma.sync,
+    cp.async: compute capability 8.0 or later); a recording (no device) takes them."""
+    capability = backend.compute_capability()
+    return capability is None or capability >= 80
 
 
 def _aligned(a: Any) -> bool:
@@ -354,9 +338,8 @@ def flash_applies(q: Any, k: Any, v: Any, starts: Any = None) -> bool:
     [B, kv_heads, T, group, D] and k, v [B, kv_heads, T, D] C-contiguous and 16-byte aligned,
     D in FLASH_HEAD_DIMS, sizes within the kernels' int32 indices and grid, `starts` [B, T] or
     None, on a device of compute capability 8.0 or later."""
-    import cupy as cp
-
-    if not all(isinstance(a, cp.ndarray) for a in (q, k, v)):
+    backend = _backend()
+    if not all(isinstance(a, backend.xp.ndarray) for a in (q, k, v)):
         return False
     if dtype_name(np.dtype(q.dtype)) != "bfloat16" or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
@@ -371,44 +354,41 @@ def flash_applies(q: Any, k: Any, v: Any, starts: Any = None) -> bool:
         return False
     if not all(_aligned(a) for a in (q, k, v)):
         return False
-    device = cp.cuda.runtime.getDevice()
-    if not _flash_capable(device):  # before the module is compiled: it needs sm_80
+    if not _flash_capable(backend):  # before the module is compiled: it needs sm_80
         return False
-    return t * group < 2**31 - 2 * _flash_facts(device).block
+    return t * group < 2**31 - 2 * _flash_facts(backend).block
 
 
-def _flash_starts(starts: Any) -> Any:
+def _flash_starts(xp: Any, starts: Any) -> Any:
     """The kernels' starts argument: int32 [B, T], or a null pointer."""
-    import cupy as cp
-
     if starts is None:
         return np.uint64(0)
-    return cp.ascontiguousarray(starts.astype(np.int32, copy=False))
+    return xp.ascontiguousarray(starts.astype(np.int32, copy=False))
 
 
-def _flash_launch(kind: str, d: int, grid: tuple[int, ...], args: tuple[Any, ...]) -> None:
-    import cupy as cp
-
-    device = cp.cuda.runtime.getDevice()
-    facts = _flash_facts(device)
+def _flash_launch(
+    backend: backends.Backend, kind: str, d: int, grid: tuple[int, ...], args: tuple[Any, ...]
+) -> None:
+    facts = _flash_facts(backend)
     shared = facts.shared(kind, d)
-    kernel = _flash_kernel(device, f"flash_{kind}_d{d}", shared)
+    kernel = _flash_kernel(backend, f"flash_{kind}_d{d}", shared)
     kernel(grid, (facts.threads,), args, shared_mem=shared)
 
 
 def _flash_forward(
     q: Any, k: Any, v: Any, scale: float, window: int | None, starts: Any
 ) -> tuple[Any, Any]:
-    import cupy as cp
-
+    backend = _backend()
+    xp = backend.xp
     b, kv, t, group, d = (int(n) for n in q.shape)
     m = t * group
-    block = _flash_facts(cp.cuda.runtime.getDevice()).block
-    out = cp.empty((b, t, kv, group, d), q.dtype)
-    lse = cp.empty((b * kv, m), cp.float32)
+    block = _flash_facts(backend).block
+    out = xp.empty((b, t, kv, group, d), q.dtype)
+    lse = xp.empty((b * kv, m), xp.float32)
     sizes = (np.int32(kv), np.int32(t), np.int32(group), np.int64(window or 0), np.float32(scale))
     grid = ((m + block - 1) // block, b * kv)
-    _flash_launch("forward", d, grid, (q, k, v, out, lse, *sizes, _flash_starts(starts)))
+    args = (q, k, v, out, lse, *sizes, _flash_starts(xp, starts))
+    _flash_launch(backend, "forward", d, grid, args)
     return out, lse
 
 
@@ -423,21 +403,20 @@ def _flash_backward(
     window: int | None,
     starts: Any,
 ) -> tuple[Any, Any, Any]:
-    import cupy as cp
-
+    backend = _backend()
+    xp = backend.xp
     b, kv, t, group, d = (int(n) for n in q.shape)
     m = t * group
-    device = cp.cuda.runtime.getDevice()
-    facts = _flash_facts(device)
-    head_starts = _flash_starts(starts)
+    facts = _flash_facts(backend)
+    head_starts = _flash_starts(xp, starts)
     # delta = rowsum(dO * O) per query row, and (packed rows) whether a batch's starts ever
     # decrease (then the dK/dV kernel cannot stop early)
-    delta = cp.empty((b * kv, m), cp.float32)
-    bad = cp.zeros((b,), cp.int32) if starts is not None else np.uint64(0)
+    delta = xp.empty((b * kv, m), xp.float32)
+    bad = xp.zeros((b,), xp.int32) if starts is not None else np.uint64(0)
     rows = b * t * kv * group
     per_block = facts.delta_threads // 32
     delta_grid = (max(1, min((rows + per_block - 1) // per_block, 1 << 16)),)
-    kernel = _flash_kernel(device, "flash_delta", 0)
+    kernel = _flash_kernel(backend, "flash_delta", 0)
     kernel(
         delta_grid,
         (facts.delta_threads,),
@@ -455,13 +434,14 @@ def _flash_backward(
         ),
     )
     sizes = (np.int32(kv), np.int32(t), np.int32(group), np.int64(window or 0), np.float32(scale))
-    dq = cp.empty((b, t, kv, group, d), do.dtype)
+    dq = xp.empty((b, t, kv, group, d), do.dtype)
     grid = ((m + facts.block - 1) // facts.block, b * kv)
-    _flash_launch("dq", d, grid, (q, k, v, do, lse, delta, dq, *sizes, head_starts))
-    dk = cp.empty((b, t, kv, d), do.dtype)
-    dv = cp.empty((b, t, kv, d), do.dtype)
+    _flash_launch(backend, "dq", d, grid, (q, k, v, do, lse, delta, dq, *sizes, head_starts))
+    dk = xp.empty((b, t, kv, d), do.dtype)
+    dv = xp.empty((b, t, kv, d), do.dtype)
     grid = ((t + facts.block - 1) // facts.block, b * kv)
-    _flash_launch("dkdv", d, grid, (q, k, v, do, lse, delta, dk, dv, *sizes, head_starts, bad))
+    args = (q, k, v, do, lse, delta, dk, dv, *sizes, head_starts, bad)
+    _flash_launch(backend, "dkdv", d, grid, args)
     return dq, dk, dv
 
 
@@ -474,14 +454,13 @@ class FusedGate:
         return (max(1, min(blocks, ELEMENTWISE_MAX_BLOCKS)),)
 
     def forward(self, gate: Any, up: Any) -> Any:
-        import cupy as cp
-
+        backend = _backend()
         _check("gate", gate, gate.dtype)
         _check("up", up, gate.dtype, tuple(gate.shape))
-        out = cp.empty_like(gate)
+        out = backend.xp.empty_like(gate)
         n = int(gate.size)
         if n:
-            kernel = _kernel("gate_forward", gate.dtype)
+            kernel = _kernel(backend, "gate_forward", gate.dtype)
             kernel(self._grid(n), (ELEMENTWISE_THREADS,), (gate, up, out, np.int64(n)))
         return out
 
@@ -491,7 +470,7 @@ class FusedGate:
         _check("grad", da, gate.dtype, tuple(gate.shape))
         n = int(gate.size)
         if n:
-            kernel = _kernel("gate_backward", gate.dtype)
+            kernel = _kernel(_backend(), "gate_backward", gate.dtype)
             kernel(self._grid(n), (ELEMENTWISE_THREADS,), (da, gate, up, np.int64(n)))
         return gate, up
 
@@ -518,15 +497,15 @@ class FusedNorm:
     (full fine-tuning) and other dtypes go to the xp statement."""
 
     def forward(self, x: Any, weight: Any, eps: float) -> tuple[Any, Any]:
-        import cupy as cp
-
+        backend = _backend()
+        xp = backend.xp
         if not (_fusable(x.dtype, x) and _f32_weight(weight)) or x.size == 0:
-            return F.rms_norm_forward(cp, x, weight, eps)
+            return F.rms_norm_forward(xp, x, weight, eps)
         width = int(x.shape[-1])
         rows = int(x.size) // width
-        y = cp.empty_like(x)
-        rstd = cp.empty((*x.shape[:-1], 1), cp.float32)
-        kernel = _kernel("rms_forward", x.dtype)
+        y = xp.empty_like(x)
+        rstd = xp.empty((*x.shape[:-1], 1), xp.float32)
+        kernel = _kernel(backend, "rms_forward", x.dtype)
         args = (x, weight, y, rstd, np.int64(rows), np.int32(width), np.float32(eps))
         kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
         return y, rstd
@@ -534,15 +513,15 @@ class FusedNorm:
     def backward(
         self, dy: Any, x: Any, rstd: Any, weight: Any, weight_grad: bool
     ) -> tuple[Any, Any]:
-        import cupy as cp
-
+        backend = _backend()
+        xp = backend.xp
         fusable = _fusable(x.dtype, dy, x, rstd) and _f32_weight(weight) and dy.dtype == x.dtype
         if weight_grad or not fusable or x.size == 0:
-            return F.rms_norm_backward(cp, dy, x, rstd, weight, weight_grad)
+            return F.rms_norm_backward(xp, dy, x, rstd, weight, weight_grad)
         width = int(x.shape[-1])
         rows = int(x.size) // width
-        dx = cp.empty_like(dy)
-        kernel = _kernel("rms_backward", x.dtype)
+        dx = xp.empty_like(dy)
+        kernel = _kernel(backend, "rms_backward", x.dtype)
         args = (dy, x, rstd, weight, dx, np.int64(rows), np.int32(width))
         kernel(_warp_rows_grid(rows), (WARP_ROW_THREADS,), args)
         return dx, None
@@ -553,33 +532,33 @@ class FusedHeads:
     layout in one launch, and back in one."""
 
     def __init__(self) -> None:
-        self._no_weight: dict[int, Any] = {}
+        #: The one-element stand-ins for a missing norm weight, by the current device's module
+        #: of the row kernels (one a device).
+        self._no_weight: dict[Any, Any] = {}
 
-    def _weight(self, w: Any) -> tuple[Any, np.int32]:
+    def _weight(self, backend: backends.Backend, w: Any) -> tuple[Any, np.int32]:
         """The norm weight and the has-norm flag (a one-element stand-in without a norm)."""
-        import cupy as cp
-
         if w is not None:
             return w, np.int32(1)
-        device = cp.cuda.runtime.getDevice()
-        if device not in self._no_weight:
-            self._no_weight[device] = cp.zeros(1, cp.float32)
-        return self._no_weight[device], np.int32(0)
+        module = _module(backend)
+        if module not in self._no_weight:
+            self._no_weight[module] = backend.xp.zeros(1, backend.xp.float32)
+        return self._no_weight[module], np.int32(0)
 
     def forward(
         self, x: Any, weight: Any, eps: float, cos: Any, sin: Any, group: int
     ) -> tuple[Any, Any]:
-        import cupy as cp
-
+        backend = _backend()
+        xp = backend.xp
         b, t, heads, d = (int(n) for n in x.shape)
         fusable = _fusable(x.dtype, x, cos, sin) and _f32_weight(weight)
         if not fusable or cos.dtype != x.dtype or d % 2 or x.size == 0:
-            return F.HeadKernels(cp).forward(x, weight, eps, cos, sin, group)
-        out = cp.empty((b, heads // group, t, group, d), x.dtype)
-        rstd = cp.empty((b, t, heads, 1), cp.float32) if weight is not None else None
-        w, has_norm = self._weight(weight)
+            return F.HeadKernels(xp).forward(x, weight, eps, cos, sin, group)
+        out = xp.empty((b, heads // group, t, group, d), x.dtype)
+        rstd = xp.empty((b, t, heads, 1), xp.float32) if weight is not None else None
+        w, has_norm = self._weight(backend, weight)
         rows = b * t * heads
-        kernel = _kernel("heads_forward", x.dtype)
+        kernel = _kernel(backend, "heads_forward", x.dtype)
         args = (
             x,
             w,
@@ -609,17 +588,17 @@ class FusedHeads:
         sin: Any,
         weight_grad: bool,
     ) -> tuple[Any, Any]:
-        import cupy as cp
-
+        backend = _backend()
+        xp = backend.xp
         b, t, heads, d = (int(n) for n in dy.shape)
         fusable = _fusable(dy.dtype, dy, x, rstd, cos, sin) and _f32_weight(weight)
         fusable = fusable and cos.dtype == dy.dtype and (x is None or x.dtype == dy.dtype)
         if weight_grad or not fusable or d % 2 or dy.size == 0:
-            return F.HeadKernels(cp).backward(dy, x, rstd, weight, cos, sin, weight_grad)
-        dx = cp.empty_like(dy)
-        w, has_norm = self._weight(weight)
+            return F.HeadKernels(xp).backward(dy, x, rstd, weight, cos, sin, weight_grad)
+        dx = xp.empty_like(dy)
+        w, has_norm = self._weight(backend, weight)
         rows = b * t * heads
-        kernel = _kernel("heads_backward", dy.dtype)
+        kernel = _kernel(backend, "heads_backward", dy.dtype)
         args = (
             dy,
             x if x is not None else dy,

@@ -6,7 +6,7 @@ neither CuPy nor a GPU, asking for the backend needs CuPy."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -24,7 +24,7 @@ from ...formats import (
     output_dtype,
 )
 from .. import Device, cpu
-from . import blas, launch
+from . import blas, kernels, launch
 from .arrays import as_cupy, c_contiguous, ready
 from .kernels import GEMV_MAX_TOKENS
 
@@ -53,6 +53,18 @@ class CudaBackend:
         self._prepared: dict[int, Prepared] = {}
         #: Finite checks of quantize calls made inside a graph capture, raised by check().
         self.captured_checks = DeviceFiniteCheck()
+
+    # --- run-time compiled kernels ----------------------------------------------------------
+
+    def kernel_module(self, file: str, options: Sequence[str]) -> kernels.KernelModule:
+        """kernels/`file` compiled with `options` for CuPy's current device (kernels.module:
+        NVRTC to the device's machine code, once a device; its kernels launch through the
+        core's launcher on CuPy's current stream)."""
+        return kernels.module(file=file, options=options)
+
+    def compute_capability(self) -> int | None:
+        """CuPy's current device's compute capability (80 for 8.0)."""
+        return int(cp.cuda.Device().compute_capability)
 
     # --- arrays in and out -----------------------------------------------------------------
 

@@ -12,8 +12,9 @@ Two things stand in for the GPU run:
   `default_compute_dtype`) are the CUDA backend's, so the code above the seam takes its GPU
   paths;
 - its `xp` (`arrays.Namespace`), in place of CuPy: array creation, views, elementwise math,
-  reductions and indexing, each allocating what CuPy 14 allocates for it, and its kernels
-  (`kernel_module`, in place of backends/cuda/kernels' compiled modules) launch nothing.
+  reductions and indexing, each allocating what CuPy 14 allocates for it;
+- its `kernel_module`, in place of the CUDA backend's compiled modules: nothing is compiled,
+  its kernels launch nothing, and its launch facts are read from the source text.
 
 A host flavour of the backend (device "cpu", `host()`) holds the host arrays of a run (the
 weights as read, before they move to the GPU): they record nothing.
@@ -27,7 +28,8 @@ trainer's `device="cuda"` is the recording.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +47,13 @@ from ...formats import (
     output_dtype,
 )
 from .. import Device, _gpu_override
-from .arrays import Namespace, RecordArray, Recorder
+from .arrays import Namespace, RecordArray, Recorder, _KernelModule
+
+
+@functools.cache
+def _kernel_module(file: str, options: tuple[str, ...]) -> _KernelModule:
+    return _KernelModule(file, options)
+
 
 #: The dtypes the CUDA backend's GEMMs take (backends/cuda/blas.py: DTYPES).
 _GEMM_DTYPES = ("float32", "float16", "bfloat16")
@@ -110,6 +118,19 @@ class RecordingBackend:
         self._host = host
         #: the kernels' format tables, made on the GPU at their first use and kept
         self._tables: dict[str, RecordArray] = {}
+
+    # --- run-time compiled kernels ----------------------------------------------------------
+
+    def kernel_module(self, file: str, options: Sequence[str]) -> _KernelModule:
+        """The stand-in for the CUDA backend's compiled module of kernels/`file`: nothing is
+        compiled and its kernels launch nothing (one for each file and options, as the GPU
+        has one a device)."""
+        return _kernel_module(file, tuple(options))
+
+    def compute_capability(self) -> int | None:
+        """None: no device runs the kernels, so every kernel is taken (the flash kernels'
+        sm_80 included)."""
+        return None
 
     def host(self) -> RecordingBackend:
         """The host side of this backend (itself for the host flavour)."""

@@ -3,8 +3,9 @@ and an owner of its memory, no values) and `Namespace` (the backend's `xp`: arra
 views, elementwise math, reductions and indexing). Each call allocates what CuPy 14 allocates
 for it: the result; a reduction's workspace; a flat index for indexing by several arrays; the
 pointer tables of a concatenation of many arrays. Views share their base's memory; memory is
-freed when its last array goes, as CuPy frees it. Kernels (`Namespace.kernel_module`, in place
-of the CUDA backend's compiled modules) launch nothing."""
+freed when its last array goes, as CuPy frees it. Kernels (`_KernelModule`, what
+`RecordingBackend.kernel_module` gives in place of the CUDA backend's compiled modules) launch
+nothing."""
 
 from __future__ import annotations
 
@@ -629,9 +630,10 @@ class _NoLaunch:
 
 class _KernelModule:
     """A compiled module of kernels/ (backends/cuda/kernels.KernelModule, as the trainer's
-    train/_cuda.py loads its files) in a recorded run: nothing is compiled, its kernels launch
-    nothing, and its launch facts are worked out from the source text
-    (kernels.source_facts), with the `-D` definitions of its options."""
+    train/_cuda.py asks the backend for its files: `RecordingBackend.kernel_module`) in a
+    recorded run: nothing is compiled, its kernels launch nothing, and its launch facts are
+    worked out from the source text (kernels.source_facts), with the `-D` definitions of its
+    options."""
 
     def __init__(self, file: str, options: Sequence[str] = ()) -> None:
         self.file = file
@@ -668,9 +670,6 @@ class Namespace:
     dtype = np.dtype
     ndarray = RecordArray
     inf = np.inf
-    #: Not CuPy's: the stand-in for the CUDA backend's compiled modules (train/_cuda.py asks
-    #: the namespace for it, and so launches nothing in a recording).
-    kernel_module = _KernelModule
 
     def __init__(self, backend: RecordingBackend) -> None:
         self._backend = backend
