@@ -1,6 +1,6 @@
 """Writes docs/api.md from the package's docstrings and the command line's --help, so the API
-page says what the code says. `python docs/make_api.py` rewrites it; tests/test_docs.py fails
-when it is out of date.
+page says what the code says. `python docs/make_api.py` rewrites it;
+tests/docs/test_docs.py fails when it is out of date.
 
     python docs/make_api.py [--check]
 """
@@ -120,8 +120,8 @@ def render() -> str:
         "# API reference",
         "",
         "Generated from the docstrings and the command line's help by `docs/make_api.py`",
-        "(do not edit by hand; `tests/test_docs.py` checks it is current, on Python 3.11, whose",
-        "argparse wrote the help text below). The concepts are in",
+        "(do not edit by hand; `tests/docs/test_docs.py` checks it is current, on Python 3.11,",
+        "whose argparse wrote the help text below). The concepts are in",
         "[formats.md](formats.md), [lora.md](lora.md), [architecture.md](architecture.md).",
         "",
     ]

@@ -9,7 +9,7 @@ day and machine). This command runs the same suites with `NYBBLE_FUZZ_SEED` set 
 seeds (and hypothesis' codec properties with the `dev` profile and that seed), one pytest
 process per seed, and prints each seed's outcome. A failure message names its case; once the
 bug is fixed, add the case to `REGRESSIONS` (tests/fuzzing.py for the suites built on it,
-tests/test_checkpoint_fuzz.py for the checkpoint tools), so that every test run keeps it.
+tests/checkpoint/test_checkpoint_fuzz.py for the checkpoint tools), so that every test run keeps it.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 #: The fuzz tests proper (the harness checks beside them do not depend on the seed).
 FUZZ_TESTS = [
-    "test_fuzz_adapter.py::test_fuzz_adapter_directories",
-    "test_fuzz_bnb.py::test_fuzz_bitsandbytes_states",
-    "test_fuzz_estimator.py::test_fuzz_estimator_configs_and_arguments",
-    "test_fuzz_codec.py",
-    "test_checkpoint_fuzz.py::test_fuzz_safetensors_reader",
-    "test_checkpoint_fuzz.py::test_fuzz_checkpoint_tools",
-    "test_checkpoint_fuzz.py::test_fuzz_through_the_command_line",
+    "lora/test_fuzz_adapter.py::test_fuzz_adapter_directories",
+    "bnb/test_fuzz_bnb.py::test_fuzz_bitsandbytes_states",
+    "memory/test_fuzz_estimator.py::test_fuzz_estimator_configs_and_arguments",
+    "codec/test_fuzz_codec.py",
+    "checkpoint/test_checkpoint_fuzz.py::test_fuzz_safetensors_reader",
+    "checkpoint/test_checkpoint_fuzz.py::test_fuzz_checkpoint_tools",
+    "checkpoint/test_checkpoint_fuzz.py::test_fuzz_through_the_command_line",
 ]
 
 

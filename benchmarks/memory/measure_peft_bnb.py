@@ -231,7 +231,8 @@ ARCHS: dict[str, dict[str, Any]] = {
 
 #: Marker allocations in a trace (a size no tensor of the step has; small pool, so they do
 #: not disturb the large blocks): MARK + i bytes at the i-th point of MARK_POINTS. The first
-#: six are those of tests/fixtures/memory/traces (tests/test_allocator_traces.py reads "step2").
+#: six are those of tests/fixtures/memory/traces (tests/memory/test_allocator_traces.py reads
+#: "step2").
 MARK = 777_001
 MARK_POINTS = (
     "after_load", "after_prepare", "after_peft", "step1", "step2", "step2_end", "step3", "step4",

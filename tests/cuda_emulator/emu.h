@@ -1,5 +1,5 @@
 // A CPU emulator of the CUDA that kernels/attention.cu uses, so that the shipped flash-attention
-// kernels run unmodified as C++ (tests/test_attention_emulated.py, docs/testing.md). Include
+// kernels run unmodified as C++ (tests/train/test_attention_emulated.py, docs/testing.md). Include
 // this before the kernel file: it defines FLASH_EMULATE, which leaves out the file's inline-PTX
 // helpers, and defines its own under the same names and signatures (cp.async, ldmatrix,
 // mma.sync m16n8k16 bf16, the bf16 conversion, the dynamic shared memory), with the CUDA

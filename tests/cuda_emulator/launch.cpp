@@ -1,6 +1,6 @@
 // kernels/attention.cu built for the CPU with the emulator (emu.h), and one entry point that
 // launches any of its kernels by name as cuLaunchKernel does: the kernel's arguments given as
-// an array of pointers, one to each. tests/test_attention_emulated.py builds this with
+// an array of pointers, one to each. tests/train/test_attention_emulated.py builds this with
 //   c++ -std=c++17 -shared -fPIC -I<the kernels directory> <the loader's -D options> launch.cpp
 // and calls emu_launch through ctypes.
 #include <cstring>

@@ -1,0 +1,2 @@
+"""The project as documented: README and docs/api.md run or are current, and the layering of
+docs/architecture.md holds."""
