@@ -8,9 +8,9 @@ allocates, in its order, is what the estimate replays through the CuPy pool simu
 What this module adds to the run:
 - the weights as shapes (`ShapeWeights`: the trainer's `WeightSource` whose host arrays hold
   nothing), so a 70B model is "loaded" without reading or allocating anything;
-- train/_cuda.py, the trainer's fused GPU kernels, loaded once more with CuPy's name bound to
-  the recording's array namespace (`_recorded_kernels`): their own code allocates their
-  outputs and workspaces, and their launches do nothing;
+- nothing for train/_cuda.py, the trainer's fused GPU kernels: they reach the GPU through
+  `backends.get("cuda")`, the recording during a run, so their own code allocates their
+  outputs and workspaces on it, and their launches do nothing;
 - the breakdown's parts: each allocation is tagged with the part of the step it is made in
   (forward and backward: activations; the LM head's loss: logits; the optimizer's step), and
   what outlives the step is tagged by what holds it (the weights, the adapters, their
@@ -21,20 +21,17 @@ What this module adds to the run:
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 import gc
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ..backends.record import RecordArray, RecordingBackend
 from ..formats import numpy_dtype
+from ..train import _cuda
 from .cupy_pool import round_size
 from .parts import (
     ACTIVATIONS,
@@ -95,11 +92,11 @@ def chunks_per_step(s: TrainingSetup) -> int:
 def _whole_attention(nb: int, positions: int, group: int, head_dim: int, dtype: str) -> bool:
     """Whether the trainer's GPU kernels take the whole attention of these shapes at once
     (`functional.attention_forward` asks its softmax object's `flash_forward` first; it
-    returns None where its kernels do not apply), asked of the recorded kernels on arrays
-    that record nothing."""
+    returns None where its kernels do not apply), asked of the kernels on a recording that
+    records nothing."""
     probe = RecordingBackend(None)
     with probe.standing_in():
-        softmax = _recorded_kernels().FusedSoftmax()
+        softmax = _cuda.FusedSoftmax()
         flash = getattr(softmax, "flash_forward", None)
         if flash is None:
             return False
@@ -189,54 +186,6 @@ class ShapeWeights:
         from ..tensor import quantize
 
         return quantize(self.matrix(name, shape), blocksize=blocksize, double_quant=double_quant)
-
-
-def _recorded_import(
-    name: str,
-    globals: Any = None,
-    locals: Any = None,
-    fromlist: Any = (),
-    level: int = 0,
-) -> Any:
-    """`import` for the recorded copy of train/_cuda.py: CuPy is the recording's namespace."""
-    if level == 0 and name.split(".")[0] == "cupy":
-        from .. import backends
-
-        backend = backends.get("cuda")
-        if not isinstance(backend, RecordingBackend):
-            raise ImportError("the recorded kernels run only inside a recording")
-        return backend.xp
-    return builtins.__import__(name, globals, locals, fromlist, level)
-
-
-_RECORDED_KERNELS: dict[str, ModuleType] = {}
-
-
-def _recorded_kernels() -> ModuleType:
-    """train/_cuda.py loaded once more, with `import cupy` bound to the recording's array
-    namespace (`_recorded_import`): its classes run their own code on recorded arrays."""
-    found = _RECORDED_KERNELS.get("module")
-    if found is None:
-        spec = importlib.util.find_spec("nybble.train._cuda")
-        assert spec is not None and spec.loader is not None
-        found = importlib.util.module_from_spec(spec)
-        found.__dict__["__builtins__"] = {**vars(builtins), "__import__": _recorded_import}
-        spec.loader.exec_module(found)
-        _RECORDED_KERNELS["module"] = found
-    return found
-
-
-def _use_recorded_kernels(model: Any) -> None:
-    """Every kernel object of the model made from train/_cuda.py (the fused kernels its GPU
-    path picked) replaced by the same class of the recorded copy."""
-    real = sys.modules.get("nybble.train._cuda")
-    if real is None:
-        return
-    recorded = _recorded_kernels()
-    for name, value in list(vars(model).items()):
-        cls = type(value)
-        if getattr(real, cls.__name__, None) is cls:
-            setattr(model, name, getattr(recorded, cls.__name__)())
 
 
 def _around(obj: Any, name: str, before: Callable[[], None], after: Callable[[], None]) -> None:
@@ -336,7 +285,6 @@ class TrainerRun:
                 double_quant=s.double_quant,
                 weights=ShapeWeights(self.backend.host()),
             )
-        _use_recorded_kernels(trainer.model)
         self.trainer = trainer
         self._mark_phases()
         self._tag_owned()
