@@ -33,44 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shapes import shapes
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 R = 16
 
-MODELS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2",
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-    ),
-}
+MODELS = shapes("llama-3.1-8b", "qwen2.5-7b")
 
 
 def nvml_process_bytes() -> int | None:

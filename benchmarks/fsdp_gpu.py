@@ -59,32 +59,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shapes import shapes
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 R = 16
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.1-70b": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
+    **shapes("llama-3.1-70b"),
     "tiny": dict(
         model_type="llama",
         architectures=["LlamaForCausalLM"],

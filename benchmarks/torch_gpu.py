@@ -73,6 +73,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from _shapes import shapes
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 R = 16
@@ -83,43 +85,7 @@ CURVE_LR = 1e-3
 PARTS = ("train", "trainer", "curve", "generate", "compile-generate", "compile-train", "profile")
 ALIASES = {"compile": ("compile-generate", "compile-train")}
 
-MODELS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        architectures=["Qwen3ForCausalLM"],
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-    ),
-}
+MODELS = shapes("llama-3.1-8b", "qwen3-4b")
 TINY = dict(
     hidden_size=64,
     intermediate_size=160,

@@ -28,7 +28,9 @@ def bench() -> Any:
     spec = importlib.util.spec_from_file_location("torch_gpu_bench", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with pytest.MonkeyPatch.context() as patch:  # its siblings, as when run as a script
+        patch.syspath_prepend(str(SCRIPT.parent))
+        spec.loader.exec_module(module)
     return module
 
 
