@@ -35,6 +35,7 @@ from nybble.backends.cuda import kernels
 from nybble.train import _cuda
 from nybble.train import functional as F
 from tests import TESTS
+from tests.train.attention_cases import sample_starts
 
 BF16 = ml_dtypes.bfloat16
 EMULATOR = TESTS / "cuda_emulator"
@@ -248,24 +249,6 @@ def device(emulator: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> Iterator[D
     _cuda._module_facts.cache_clear()
     yield dev
     _cuda._module_facts.cache_clear()
-
-
-def sample_starts(rng: np.random.Generator, kind: str, b: int, t: int) -> np.ndarray:
-    """Where each position's sample starts, [b, t]: "packed", samples of random lengths;
-    "decreasing", samples of 64 tokens and row 0's last token's start moved back to 0 (a dK/dV
-    block must then go on past query tiles that see none of its keys)."""
-    if kind == "decreasing":
-        starts = np.tile(np.arange(t) // 64 * 64, (b, 1))
-        starts[0, t - 1] = 0
-        return starts
-    starts = np.zeros((b, t), np.int64)
-    for row in range(b):
-        at = 0
-        while at < t:
-            n = int(rng.integers(1, max(2, t // 3)))
-            starts[row, at : at + n] = at
-            at += n
-    return starts
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -17,6 +17,7 @@ import pytest
 from nybble import LoraConfig
 from nybble.train import Trainer, TransformerConfig
 from nybble.train import functional as F
+from tests.train.attention_cases import sample_starts
 
 pytestmark = pytest.mark.gpu
 
@@ -31,21 +32,6 @@ def cupy() -> Any:
 
 def host(a: Any) -> np.ndarray:
     return np.asarray(cupy().asnumpy(a), dtype=np.float64)
-
-
-def packed_starts(rng: np.random.Generator, b: int, t: int, decreasing: bool) -> np.ndarray:
-    """Each row cut into samples of random lengths; with `decreasing`, one token's start
-    earlier than its predecessor's (still a valid start: at or before the token)."""
-    starts = np.zeros((b, t), np.int64)
-    for row in range(b):
-        at = 0
-        while at < t:
-            n = int(rng.integers(1, max(2, t // 3)))
-            starts[row, at : at + n] = at
-            at += n
-    if decreasing:
-        starts[0, t - 1] = 0
-    return starts
 
 
 def reference(
@@ -128,7 +114,7 @@ def test_flash_attention_matches_float64_and_the_chunked_path(
     do = rng.standard_normal((b, t, kv, group, d)).astype(BF16)
     starts = None
     if starts_kind is not None:
-        starts = packed_starts(rng, b, t, starts_kind == "decreasing")
+        starts = sample_starts(rng, starts_kind, b, t)
     scale = d**-0.5
     want = reference(q, k, v, do, scale, window, starts)
     qd, kd, vd, dod = (cp.asarray(a) for a in (q, k, v, do))
@@ -222,7 +208,7 @@ def test_a_model_with_flash_attention_trains_as_with_the_chunked_path() -> None:
     lora = LoraConfig(r=8, alpha=16, target_modules="all-linear")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, (2, 97))
-    starts = packed_starts(rng, 2, 96, False)
+    starts = sample_starts(rng, "packed", 2, 96)
 
     def run(flash: bool) -> list[float]:
         t = Trainer(cfg, lora, lr=1e-2, quant="nf4", device="cuda", gradient_checkpointing=True)
