@@ -94,12 +94,7 @@ class Array(Protocol):
     def transpose(self, *axes: SupportsIndex) -> Array: ...
 
     def astype(
-        self,
-        dtype: DTypeLike,
-        order: Literal["K", "A", "C", "F"] = ...,
-        casting: Any = ...,
-        subok: bool = ...,
-        copy: bool = ...,
+        self, dtype: DTypeLike, *, order: Literal["K", "A", "C", "F"] = ..., copy: bool = ...
     ) -> Array: ...
 
     def sum(self, axis: Any = ..., dtype: DTypeLike = ..., *, keepdims: bool = ...) -> Array: ...
@@ -159,13 +154,26 @@ class Array(Protocol):
     def __ge__(self, other: Any, /) -> Array: ...
 
 
+class Random(Protocol):
+    """A seeded generator of a layer's initial values (`Backend.random`): numpy's Generator on
+    the CPU and the GPU, the recording's draws of shapes only."""
+
+    def uniform(
+        self, low: float = ..., high: float = ..., size: int | tuple[int, ...] | None = ...
+    ) -> Array: ...
+
+    def normal(
+        self, loc: float = ..., scale: float = ..., size: int | tuple[int, ...] | None = ...
+    ) -> Array: ...
+
+
 class FiniteCheck(Protocol):
     """The promise that a non-finite input never passes silently, kept at the cost each device
     allows: on the CPU `record` raises at once; on the GPU it scans on the device, without a
     wait, and `raise_pending` (called where a wait happens anyway, or by the user) raises for
     what was recorded since the last call."""
 
-    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+    def record(self, a: Array, what: str, row_stride: int | None = None) -> None:
         """NonFiniteError (now or at the next `raise_pending`) if `a` holds NaN or ±inf. With
         `row_stride`, `a` stands for another array whose rows it summarises (a product of
         them, non-finite in every row where they are): the error names the flat index of the
@@ -175,6 +183,14 @@ class FiniteCheck(Protocol):
     def raise_pending(self) -> None:
         """NonFiniteError naming the argument and the smallest bad flat index among the
         arrays recorded as `what` since the last call (the first such `what` recorded)."""
+        ...
+
+
+class Graph(Protocol):
+    """Work captured into a CUDA graph (`Backend.capture`)."""
+
+    def replay(self) -> None:
+        """Runs the captured work again, over the same buffers."""
         ...
 
 
@@ -234,23 +250,28 @@ class Backend(Protocol):
 
     # --- arrays in and out ---------------------------------------------------------------
 
-    def asarray(self, x: Any, what: str = "x") -> Any:
+    def asarray(self, x: object, what: str = "x") -> Array:
         """A view of `x` as this backend's array (a copy only where a view is impossible,
         e.g. another byte order)."""
         ...
 
-    def float_array(self, x: Any, what: str = "x") -> Any:
+    def float_array(self, x: object, what: str = "x") -> Array:
         """`asarray`, checked to be of a float dtype nybble reads (FLOAT_DTYPES)."""
         ...
 
-    def contiguous(self, a: Any) -> Any:
+    def contiguous(self, a: Array) -> Array:
         """`a` C-contiguous and aligned, as the core and the kernels read arrays (itself when
         it is; a copy otherwise)."""
         ...
 
-    def to_host(self, a: Any) -> np.ndarray: ...
+    def to_host(self, a: Array) -> Array:
+        """`a` on the host: a numpy array (`a` itself on the CPU), or in a recording one of
+        its host arrays."""
+        ...
 
-    def from_host(self, a: np.ndarray) -> Any: ...
+    def from_host(self, a: Array) -> Array:
+        """The host array `a` on this backend's device (`a` itself on the CPU)."""
+        ...
 
     def memory_in_use(self) -> int | None:
         """Bytes of device memory the process's arrays hold (None on the CPU)."""
@@ -260,12 +281,12 @@ class Backend(Protocol):
         """Waits for the device's queued work (nothing to wait for on the CPU)."""
         ...
 
-    def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
+    def capture(self, work: Callable[[], object], *buffers: Array) -> Graph | None:
         """`work` (GPU work over fixed buffers) captured into a CUDA graph whose `replay()`
         runs it again (nybble.cuda.capture), or None where the device has no graphs."""
         ...
 
-    def first_non_finite(self, a: Any) -> int | None:
+    def first_non_finite(self, a: Array) -> int | None:
         """The first flat index of a NaN or ±inf in `a`, or None. On the GPU this waits for
         the device."""
         ...
@@ -274,7 +295,7 @@ class Backend(Protocol):
         """A new check of this device (see FiniteCheck)."""
         ...
 
-    def random(self, seed: int) -> np.random.Generator:
+    def random(self, seed: int) -> Random:
         """A seeded generator of the values a layer starts from, drawn on the host and moved
         with `from_host` (numpy's on the CPU and the GPU, so both start alike; the recording
         backend's draws shapes only)."""
@@ -283,25 +304,25 @@ class Backend(Protocol):
     # --- the codec -----------------------------------------------------------------------
 
     def quantize(
-        self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
-    ) -> tuple[Any, Any]:
+        self, x: object, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
+    ) -> tuple[Array, Array]:
         """(codes, absmax) of a float array of any shape, in row-major flat order. A non-finite
         value raises NonFiniteError naming its flat index."""
         ...
 
-    def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
+    def dequantize(self, q: Packed, dtype: OutputDtype, out: Array | None = None) -> Array:
         """`value(code) * absmax` in float32, rounded to `dtype`, shaped like q (into `out`
         when given: an array of q's size and `dtype`, C-contiguous)."""
         ...
 
-    def dequantize_call(self, q: Packed) -> Callable[[str, Any], Any] | None:
+    def dequantize_call(self, q: Packed) -> Callable[[str, Array | None], Array | None] | None:
         """A quicker `dequantize` of all of q for later calls, `call(dtype_name, out)`, which
         returns None for a call it does not take; None where the backend has none (yet)."""
         ...
 
-    def double_quantize(self, absmax: Any) -> NestedAbsmax: ...
+    def double_quantize(self, absmax: Array) -> NestedAbsmax: ...
 
-    def double_dequantize(self, nested: NestedAbsmax) -> Any:
+    def double_dequantize(self, nested: NestedAbsmax) -> Array:
         """The float32 scales of double-quantized ones."""
         ...
 
@@ -309,48 +330,48 @@ class Backend(Protocol):
 
     def matmul(
         self,
-        a: Any,
-        b: Any,
+        a: Array,
+        b: Array,
         alpha: float = 1.0,
-        out: Any = None,
+        out: Array | None = None,
         accumulate: bool = False,
-        out_dtype: Any = None,
-    ) -> Any:
+        out_dtype: DTypeLike | None = None,
+    ) -> Array:
         """`alpha * a @ b` for 2-D a, b (any strides), into `out` (or added to it when
         `accumulate`), summed in float32; a new array of `out_dtype` (default a's) without
         `out`."""
         ...
 
-    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+    def matmul_in_dtype(self, a: Array, b: Array) -> Array:
         """a @ b for 2-D a, b of one dtype (any strides), a new array of that dtype: on the
         GPU `matmul` (float32 sums); on the CPU float32 in the core, float64 in numpy, and
         16-bit operands multiplied in float32 and the product rounded."""
         ...
 
-    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
+    def astype_pair(self, a: Array, b: Array, dtype: DTypeLike) -> tuple[Array, Array]:
         """a and b in `dtype` (each itself when it already is): a LoRA layer's A and B in the
         activations' dtype, made once per forward for it and its backward."""
         ...
 
-    def batched_matmul(self, a: Any, b: Any) -> Any:
+    def batched_matmul(self, a: Array, b: Array) -> Array:
         """a @ b for 3-D a [n, m, k], b [n, k, p] of one dtype (any strides): a new [n, m, p]
         array of that dtype (16-bit ones summed in float32)."""
         ...
 
     def quantized_matmul(
         self,
-        x: Any,
+        x: Array,
         w: Packed,
         transpose: bool = True,
-        out: Any = None,
+        out: Array | None = None,
         accumulate: bool = False,
-    ) -> Any:
+    ) -> Array:
         """`x @ W.T` (or `x @ W` when not `transpose`) for a 2-D quantized W [out, in] and a
         2-D x, never holding all of W dequantized at once in float32; into `out` (or added to
         it when `accumulate`)."""
         ...
 
-    def dora_row_norms(self, w: Any | Packed, b: Any, a: Any, scaling: float) -> Any:
+    def dora_row_norms(self, w: Array | Packed, b: Array, a: Array, scaling: float) -> Array:
         """`||W + scaling * B @ A||` of each row of W [out, in] (dense, or quantized and
         dequantized a tile at a time)."""
         ...
@@ -487,8 +508,10 @@ __all__ = [
     "Device",
     "FiniteCheck",
     "FloatDtype",
+    "Graph",
     "Kernel",
     "KernelModule",
+    "Random",
     "checks_at_once",
     "compute_dtype",
     "get",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,7 +21,15 @@ from ..formats import (
     float_dtype,
     numpy_dtype,
 )
-from . import Device, KernelModule
+from . import Array, Device, KernelModule
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    from numpy.typing import DTypeLike
+
+    #: An array handed back as it came (`from_host`: the host's arrays are the CPU's).
+    _A = TypeVar("_A", bound=Array)
 
 
 def as_numpy(x: Any, what: str = "x") -> np.ndarray:
@@ -86,21 +94,21 @@ class CpuBackend:
     def compute_capability(self) -> int | None:
         return None
 
-    def asarray(self, x: Any, what: str = "x") -> np.ndarray:
+    def asarray(self, x: object, what: str = "x") -> np.ndarray:
         return as_numpy(x, what)
 
-    def float_array(self, x: Any, what: str = "x") -> np.ndarray:
+    def float_array(self, x: object, what: str = "x") -> np.ndarray:
         a = as_numpy(x, what)
         float_dtype(a.dtype, what)
         return a
 
-    def contiguous(self, a: Any) -> np.ndarray:
+    def contiguous(self, a: Array) -> np.ndarray:
         return np.require(a, requirements=["C", "A"])
 
-    def to_host(self, a: Any) -> np.ndarray:
+    def to_host(self, a: Array) -> np.ndarray:
         return np.asarray(a)
 
-    def from_host(self, a: np.ndarray) -> np.ndarray:
+    def from_host(self, a: _A) -> _A:
         return a
 
     def memory_in_use(self) -> int | None:
@@ -110,11 +118,11 @@ class CpuBackend:
     def synchronize(self) -> None:
         """Nothing: the CPU's work is done when its call returns."""
 
-    def capture(self, work: Callable[[], object], *buffers: Any) -> None:
+    def capture(self, work: Callable[[], object], *buffers: Array) -> None:
         """None: the CPU replays nothing (callers run `work` each time)."""
         return None
 
-    def first_non_finite(self, a: Any) -> int | None:
+    def first_non_finite(self, a: Array) -> int | None:
         flat = np.asarray(a).reshape(-1)
         if flat.size == 0 or (np.isfinite(flat.max()) and np.isfinite(flat.min())):
             return None  # max and min propagate NaN: no temporary the size of `a`
@@ -129,7 +137,7 @@ class CpuBackend:
     # --- the codec ---------------------------------------------------------------------
 
     def quantize(
-        self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
+        self, x: object, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
         a = _flat(self.float_array(x))
         name = a.dtype.name
@@ -137,7 +145,7 @@ class CpuBackend:
             return _core.quantize(a.view(np.uint16), blocksize, codebook, name)
         return _core.quantize(a, blocksize, codebook)
 
-    def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> np.ndarray:
+    def dequantize(self, q: Packed, dtype: OutputDtype, out: Array | None = None) -> np.ndarray:
         if out is None:
             out = np.empty(q.shape, numpy_dtype(dtype))
         elif (
@@ -170,7 +178,7 @@ class CpuBackend:
             return self.double_dequantize(q.nested)
         return np.asarray(q.absmax)
 
-    def double_quantize(self, absmax: Any) -> NestedAbsmax:
+    def double_quantize(self, absmax: Array) -> NestedAbsmax:
         (codes, absmax2), offset = _core.double_quantize(np.ascontiguousarray(absmax, np.float32))
         return NestedAbsmax(codes, absmax2, float(offset))
 
@@ -184,6 +192,8 @@ class CpuBackend:
         return _core.from_blocks36(buf, n)
 
     # --- layer math (float32) ------------------------------------------------------------
+    # The operands are the protocol's `Array`s, which on the CPU are numpy arrays: typed `Any`
+    # here, where they go to numpy's and the core's functions (which take numpy arrays only).
 
     def batched_matmul(self, a: Any, b: Any) -> np.ndarray:
         if a.dtype != b.dtype:
@@ -199,7 +209,7 @@ class CpuBackend:
         alpha: float = 1.0,
         out: Any = None,
         accumulate: bool = False,
-        out_dtype: Any = None,
+        out_dtype: DTypeLike | None = None,
     ) -> np.ndarray:
         """float32 in and out (`out_dtype` other than float32 is refused): the layers' math."""
         if out_dtype is not None and np.dtype(out_dtype) != np.float32:
@@ -229,7 +239,7 @@ class CpuBackend:
         product = self.matmul(a.astype(np.float32), b.astype(np.float32))
         return product.astype(a.dtype)
 
-    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    def astype_pair(self, a: Array, b: Array, dtype: DTypeLike) -> tuple[Array, Array]:
         return a.astype(dtype, copy=False), b.astype(dtype, copy=False)
 
     def quantized_matmul(
@@ -276,7 +286,7 @@ def _matrix_shape(w: Packed) -> tuple[int, int]:
 class ImmediateFiniteCheck:
     """On the CPU a check costs no wait: a non-finite value raises where it is recorded."""
 
-    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+    def record(self, a: Array, what: str, row_stride: int | None = None) -> None:
         bad = BACKEND.first_non_finite(a)
         if bad is not None:
             if row_stride is not None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from ..backends import Array
+from ..backends import Array, Graph
 from .model import DecoderLM, LayerCache
 
 
@@ -146,7 +145,7 @@ class _Step:
         self.cache = cache
         self.greedy = greedy
         self.use_graph = graph
-        self.graph: Any = None
+        self.graph: Graph | None = None
         xp = model.xp
         self.token = xp.zeros((1, 1), np.int64)
         self.position = xp.zeros(1, np.int32)
@@ -175,7 +174,8 @@ class _Step:
             self.graph.replay()
         else:
             self._work()
-        host = np.asarray(backend.to_host(self.result))
+        # `_work` set the result above (eagerly, or in the capture's warm-up run)
+        host = np.asarray(backend.to_host(self.result))  # type: ignore[arg-type]
         return int(host) if self.greedy else host[0]
 
 

@@ -395,7 +395,7 @@ class DecoderLM:
         draws them in that order, so both devices start the same)."""
         cfg = self.config
         full = self.full
-        initial: dict[str, np.ndarray] = {}
+        initial: dict[str, Array] = {}
 
         def dense(name: str, value: np.ndarray, trainable: bool) -> None:
             if trainable:
@@ -463,7 +463,7 @@ class DecoderLM:
         name: str,
         shape: tuple[int, int],
         source: WeightSource,
-        initial: dict[str, np.ndarray],
+        initial: dict[str, Array],
         blocksize: int,
         double_quant: bool,
     ) -> Projection:
@@ -501,7 +501,7 @@ class DecoderLM:
         self._host_xp = xp
         return self.backend.from_host(xp.ascontiguousarray(host, dtype=dtype))
 
-    def _make_flat(self, initial: dict[str, np.ndarray]) -> None:
+    def _make_flat(self, initial: dict[str, Array]) -> None:
         """One buffer for all trainable parameters; each becomes a view of it."""
         xp = self.xp
         sizes = [int(initial[name].size) for name in self.trainable]

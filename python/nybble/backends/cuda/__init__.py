@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,10 +23,15 @@ from ...formats import (
     numpy_dtype,
     output_dtype,
 )
-from .. import Device, cpu
+from .. import Array, Device, cpu
 from . import blas, kernels, launch
 from .arrays import as_cupy, c_contiguous, ready
 from .kernels import GEMV_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from .graph import Graph
 
 try:
     import cupy as cp
@@ -68,21 +73,21 @@ class CudaBackend:
 
     # --- arrays in and out -----------------------------------------------------------------
 
-    def asarray(self, x: Any, what: str = "x") -> Any:
+    def asarray(self, x: object, what: str = "x") -> Any:
         return as_cupy(x, what)
 
-    def float_array(self, x: Any, what: str = "x") -> Any:
+    def float_array(self, x: object, what: str = "x") -> Any:
         a = as_cupy(x, what)
         float_dtype(a.dtype, what)
         return a
 
-    def contiguous(self, a: Any) -> Any:
+    def contiguous(self, a: Array) -> Any:
         return cp.ascontiguousarray(a)  # CuPy allocations are aligned; views are, per launch
 
-    def to_host(self, a: Any) -> np.ndarray:
+    def to_host(self, a: Array) -> np.ndarray:
         return np.asarray(cp.asnumpy(a))
 
-    def from_host(self, a: np.ndarray) -> Any:
+    def from_host(self, a: Array) -> Any:
         return cp.asarray(a)
 
     def memory_in_use(self) -> int | None:
@@ -92,12 +97,12 @@ class CudaBackend:
     def synchronize(self) -> None:
         cp.cuda.Device().synchronize()
 
-    def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
+    def capture(self, work: Callable[[], object], *buffers: Array) -> Graph:
         from .graph import capture
 
         return capture(work, *buffers)
 
-    def first_non_finite(self, a: Any) -> int | None:
+    def first_non_finite(self, a: Array) -> int | None:
         flat = a.reshape(-1)
         if flat.size == 0 or bool(cp.isfinite(flat).all()):
             return None
@@ -112,7 +117,7 @@ class CudaBackend:
     # --- the codec -------------------------------------------------------------------------
 
     def quantize(
-        self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
+        self, x: object, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
     ) -> tuple[Any, Any]:
         a = ready(self.float_array(x))  # C-contiguous: the kernels read it in flat order
         if dtype_name(a.dtype) == "float64":
@@ -124,7 +129,7 @@ class CudaBackend:
             return codes, absmax
         return launch.quantize(a, blocksize, codebook, check_finite)
 
-    def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
+    def dequantize(self, q: Packed, dtype: OutputDtype, out: Array | None = None) -> Any:
         prepared = self._prepared.get(id(q))
         if prepared is not None:  # checked once: a call checks only `out`
             found = prepared.dequantize.whole(dtype, out)
@@ -162,7 +167,7 @@ class CudaBackend:
             weakref.finalize(q, self._prepared.pop, key, None)
         return made
 
-    def double_quantize(self, absmax: Any) -> NestedAbsmax:
+    def double_quantize(self, absmax: Array) -> NestedAbsmax:
         """The scales' double quantization, on the host by the Rust core: scales are 1/64 of
         the weight, and the mean it starts from is a sum in order, cheap on the host. So it
         cannot run inside a graph capture."""
@@ -184,12 +189,12 @@ class CudaBackend:
 
     def matmul(
         self,
-        a: Any,
-        b: Any,
+        a: Array,
+        b: Array,
         alpha: float = 1.0,
-        out: Any = None,
+        out: Array | None = None,
         accumulate: bool = False,
-        out_dtype: Any = None,
+        out_dtype: DTypeLike | None = None,
     ) -> Any:
         if dtype_name(a.dtype) in blas.DTYPES and a.dtype == b.dtype:
             return blas.gemm(a, b, out, alpha, 1.0 if accumulate else 0.0, out_dtype)
@@ -204,26 +209,26 @@ class CudaBackend:
             out[...] = r
         return out
 
-    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+    def matmul_in_dtype(self, a: Array, b: Array) -> Any:
         return self.matmul(a, b)
 
-    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
+    def astype_pair(self, a: Array, b: Array, dtype: DTypeLike) -> tuple[Any, Any]:
         pair = launch.narrow_pair(a, b, dtype_name(dtype))  # float32 to 16 bits, one launch
         if pair is not None:
             return pair
         return a.astype(dtype, copy=False), b.astype(dtype, copy=False)
 
-    def batched_matmul(self, a: Any, b: Any) -> Any:
+    def batched_matmul(self, a: Array, b: Array) -> Any:
         if dtype_name(a.dtype) in blas.DTYPES and a.dtype == b.dtype:
             return blas.gemm_batched(a, b)
         return a @ b  # float64 (gradient checks): CuPy's own GEMM
 
     def quantized_matmul(
         self,
-        x: Any,
+        x: Array,
         w: Packed,
         transpose: bool = True,
-        out: Any = None,
+        out: Array | None = None,
         accumulate: bool = False,
     ) -> Any:
         rows, cols = _matrix_shape(w)
@@ -273,7 +278,7 @@ class CudaBackend:
             out[...] = y
         return out
 
-    def dequantize_call(self, q: Packed) -> Any:
+    def dequantize_call(self, q: Packed) -> Callable[[str, Array | None], Array | None] | None:
         prepared = self._prepared.get(id(q))
         return None if prepared is None else prepared.dequantize.whole
 
@@ -288,7 +293,7 @@ class CudaBackend:
         """What the fused GEMV prepared for `w` (checks, launch arguments)."""
         return self.prepared(w).gemv()
 
-    def dora_row_norms(self, w: Any, b: Any, a: Any, scaling: float) -> Any:
+    def dora_row_norms(self, w: Array | Packed, b: Array, a: Array, scaling: float) -> Any:
         """Row norms of W + s·B·A; a quantized W is dequantized one row tile at a time."""
         # W + s·B·A in one GEMM per tile (its beta adds W), which also runs inside a graph
         # capture, where CuPy's own `@` refuses to call cuBLAS.
@@ -317,7 +322,7 @@ class DeviceFiniteCheck:
         self._widths: dict[tuple[str, int | None], int] = {}
         self._scans: dict[tuple[str, int | None, Any], launch.ScanLaunch] = {}
 
-    def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+    def record(self, a: Array, what: str, row_stride: int | None = None) -> None:
         slot_key = (what, row_stride)
         if row_stride is not None:
             self._widths[slot_key] = max(int(a.shape[-1]), 1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,8 +46,11 @@ from ...formats import (
     numpy_dtype,
     output_dtype,
 )
-from .. import Device, _gpu_override
+from .. import Array, Device, _gpu_override
 from .arrays import Namespace, RecordArray, Recorder, _KernelModule
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 
 @functools.cache
@@ -69,6 +72,7 @@ class _FiniteCheck:
         self._slots: dict[tuple[str, int | None], RecordArray] = {}
 
     def record(self, a: Any, what: str, row_stride: int | None = None) -> None:
+        # `a` is one of the recording's arrays (its layout is read): `Any`, as in layer math
         key = (what, row_stride)
         if key not in self._slots:
             self._slots[key] = self._backend.xp.full(1, 0, np.uint64)
@@ -88,16 +92,24 @@ class _ShapeRandom:
     def __init__(self, backend: RecordingBackend) -> None:
         self._backend = backend
 
-    def _draw(self, size: Any, dtype: Any = np.float64) -> RecordArray:
+    def _draw(
+        self, size: int | tuple[int, ...] | None, dtype: DTypeLike = np.float64
+    ) -> RecordArray:
         return self._backend.host().xp.empty(size, dtype)
 
-    def uniform(self, low: float = 0.0, high: float = 1.0, size: Any = None) -> RecordArray:
+    def uniform(
+        self, low: float = 0.0, high: float = 1.0, size: int | tuple[int, ...] | None = None
+    ) -> RecordArray:
         return self._draw(size)
 
-    def normal(self, loc: float = 0.0, scale: float = 1.0, size: Any = None) -> RecordArray:
+    def normal(
+        self, loc: float = 0.0, scale: float = 1.0, size: int | tuple[int, ...] | None = None
+    ) -> RecordArray:
         return self._draw(size)
 
-    def standard_normal(self, size: Any = None, dtype: Any = np.float64) -> RecordArray:
+    def standard_normal(
+        self, size: int | tuple[int, ...] | None = None, dtype: DTypeLike = np.float64
+    ) -> RecordArray:
         return self._draw(size, dtype)
 
 
@@ -114,6 +126,7 @@ class RecordingBackend:
         self.float32_products = not gpu
         self.cuda_kernels = gpu
         self.default_compute_dtype: OutputDtype = "bfloat16" if gpu else "float32"
+        #: stands in for the CuPy module (untyped, `Any` in the CUDA backend), not a module itself
         self.xp: Any = Namespace(self)
         self._host = host
         #: the kernels' format tables, made on the GPU at their first use and kept
@@ -140,27 +153,28 @@ class RecordingBackend:
 
     # --- arrays in and out ---------------------------------------------------------------
 
-    def asarray(self, x: Any, what: str = "x") -> Any:
+    def asarray(self, x: Any, what: str = "x") -> RecordArray:
+        # `x` is anything with a shape and a dtype (only those are read): `Any`
         if isinstance(x, RecordArray) and x.nybble_backend is self:
             return x
         return self.from_host(x)
 
-    def float_array(self, x: Any, what: str = "x") -> Any:
+    def float_array(self, x: Any, what: str = "x") -> RecordArray:
         a = self.asarray(x, what)
         float_dtype(a.dtype, what)
         return a
 
-    def contiguous(self, a: Any) -> Any:
+    def contiguous(self, a: Array) -> RecordArray:
         return self.xp.ascontiguousarray(a)
 
     def synchronize(self) -> None:
         pass
 
-    def to_host(self, a: Any) -> Any:
+    def to_host(self, a: Array) -> RecordArray:
         host = self.host()
         return RecordArray(host, tuple(a.shape), a.dtype)
 
-    def from_host(self, a: Any) -> Any:
+    def from_host(self, a: Array) -> RecordArray:
         """A copy on this backend's side (C-contiguous), of a host array of the recording or of
         a numpy array (only its shape and dtype are read)."""
         if isinstance(a, RecordArray) and a.nybble_backend is self:
@@ -170,16 +184,16 @@ class RecordingBackend:
     def memory_in_use(self) -> int | None:
         return None
 
-    def capture(self, work: Callable[[], object], *buffers: Any) -> Any:
+    def capture(self, work: Callable[[], object], *buffers: Array) -> None:
         return None
 
-    def first_non_finite(self, a: Any) -> int | None:
+    def first_non_finite(self, a: Array) -> int | None:
         return None
 
     def finite_check(self) -> _FiniteCheck:
         return _FiniteCheck(self)
 
-    def random(self, seed: int) -> Any:
+    def random(self, seed: int) -> _ShapeRandom:
         """A seeded generator of initial values: its draws are shapes only."""
         return _ShapeRandom(self)
 
@@ -193,7 +207,7 @@ class RecordingBackend:
 
     def quantize(
         self, x: Any, blocksize: int, codebook: KernelCodebook, check_finite: bool = True
-    ) -> tuple[Any, Any]:
+    ) -> tuple[RecordArray, RecordArray]:
         a = self.ready(self.float_array(x))
         if dtype_name(a.dtype) == "float64":
             a = self.xp.empty(a.size, np.float32)
@@ -202,23 +216,23 @@ class RecordingBackend:
         absmax = self.xp.empty(block_count(n, blocksize), np.float32)
         return codes, absmax
 
-    def dequantize(self, q: Packed, dtype: OutputDtype, out: Any = None) -> Any:
+    def dequantize(self, q: Packed, dtype: OutputDtype, out: Array | None = None) -> Array:
         self._prepared(q)
         if out is None:
             out = self.xp.empty(q.shape, numpy_dtype(dtype))
         return out
 
-    def dequantize_call(self, q: Packed) -> Callable[[str, Any], Any] | None:
+    def dequantize_call(self, q: Packed) -> None:
         return None
 
-    def double_quantize(self, absmax: Any) -> NestedAbsmax:
+    def double_quantize(self, absmax: Array) -> NestedAbsmax:
         # made on the host, then copied over (two arrays)
         n = int(absmax.size)
         codes = self.xp.empty(n, np.uint8)
         absmax2 = self.xp.empty(block_count(n, 256), np.float32)
         return NestedAbsmax(codes, absmax2, 0.0)
 
-    def double_dequantize(self, nested: NestedAbsmax) -> Any:
+    def double_dequantize(self, nested: NestedAbsmax) -> RecordArray:
         return self.xp.empty(int(nested.codes.size), np.float32)
 
     def _table(self, name: str, size: int) -> None:
@@ -235,6 +249,9 @@ class RecordingBackend:
         self._table(q.codebook, 16 if q.codebook in ("nf4", "fp4") else 256)
 
     # --- layer math ----------------------------------------------------------------------------
+    # The operands are the protocol's `Array`s, which in a recording are `RecordArray`s: typed
+    # `Any` where their layout (`c_contiguous`, `aligned16`, `strides`) is read, which only the
+    # recording's arrays have.
 
     @staticmethod
     def _gemm_copy(a: RecordArray) -> RecordArray | None:
@@ -260,8 +277,8 @@ class RecordingBackend:
         alpha: float = 1.0,
         out: Any = None,
         accumulate: bool = False,
-        out_dtype: Any = None,
-    ) -> Any:
+        out_dtype: DTypeLike | None = None,
+    ) -> Array:
         if dtype_name(a.dtype) in _GEMM_DTYPES and a.dtype == b.dtype:
             m, n = a.shape[0], b.shape[1]
             if out is None:
@@ -275,10 +292,10 @@ class RecordingBackend:
             return r if out_dtype is None else r.astype(out_dtype)
         return out
 
-    def matmul_in_dtype(self, a: Any, b: Any) -> Any:
+    def matmul_in_dtype(self, a: Array, b: Array) -> Array:
         return self.matmul(a, b)
 
-    def astype_pair(self, a: Any, b: Any, dtype: Any) -> tuple[Any, Any]:
+    def astype_pair(self, a: Any, b: Any, dtype: DTypeLike) -> tuple[Array, Array]:
         name = dtype_name(np.dtype(dtype))
         if name in ("float16", "bfloat16") and all(
             dtype_name(x.dtype) == "float32" and x.c_contiguous and x.aligned16 for x in (a, b)
@@ -286,7 +303,7 @@ class RecordingBackend:
             return self.xp.empty(a.shape, dtype), self.xp.empty(b.shape, dtype)
         return a.astype(dtype, copy=False), b.astype(dtype, copy=False)
 
-    def batched_matmul(self, a: Any, b: Any) -> Any:
+    def batched_matmul(self, a: Any, b: Any) -> RecordArray:
         out = self.xp.empty((a.shape[0], a.shape[1], b.shape[2]), a.dtype)
         if dtype_name(a.dtype) in _GEMM_DTYPES and out.size and a.shape[2]:
             copies = (self._gemm_copy(a), self._gemm_copy(b))
@@ -300,7 +317,7 @@ class RecordingBackend:
         transpose: bool = True,
         out: Any = None,
         accumulate: bool = False,
-    ) -> Any:
+    ) -> Array:
         from ..cuda import row_tiles
         from ..cuda.kernels import GEMV_MAX_TOKENS
         from ..cuda.launch import gemv_supported
@@ -322,7 +339,7 @@ class RecordingBackend:
             self._prepared(w)
         return y
 
-    def dora_row_norms(self, w: Any, b: Any, a: Any, scaling: float) -> Any:
+    def dora_row_norms(self, w: Array | Packed, b: Array, a: Array, scaling: float) -> RecordArray:
         if not isinstance(w, Packed):
             merged = w.astype(np.float32)
             return self.xp.linalg.norm(self.matmul(b, a, scaling, merged, True), axis=1)

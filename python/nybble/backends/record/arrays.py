@@ -19,6 +19,8 @@ import numpy as np
 from ...formats import dtype_name, numpy_dtype
 
 if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
     from .. import Device
     from . import RecordingBackend
 
@@ -315,7 +317,7 @@ class RecordArray:
     def _view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> RecordArray:
         return RecordArray(self.nybble_backend, shape, self.dtype, self._mem, strides, offset)
 
-    def _new(self, shape: tuple[int, ...], dtype: Any = None) -> RecordArray:
+    def _new(self, shape: tuple[int, ...], dtype: DTypeLike | None = None) -> RecordArray:
         return RecordArray(self.nybble_backend, shape, self.dtype if dtype is None else dtype)
 
     def reshape(self, *shape: Any, order: str = "C") -> RecordArray:
@@ -348,7 +350,7 @@ class RecordArray:
         order[a], order[b] = order[b], order[a]
         return self.transpose(order)
 
-    def view(self, dtype: Any = None) -> RecordArray:
+    def view(self, dtype: DTypeLike | None = None) -> RecordArray:
         if dtype is None or np.dtype(dtype) == self.dtype:
             return self._view(self.shape, self.strides, self._offset)
         dt = np.dtype(dtype)
@@ -360,7 +362,7 @@ class RecordArray:
     def copy(self, order: str = "C") -> RecordArray:
         return self._new(self.shape)
 
-    def astype(self, dtype: Any, copy: bool = True, order: str = "K") -> RecordArray:
+    def astype(self, dtype: DTypeLike, copy: bool = True, order: str = "K") -> RecordArray:
         dt = np.dtype(dtype)
         if not copy and dt == self.dtype and (order in ("K", "A") or self.c_contiguous):
             return self
@@ -579,7 +581,7 @@ class RecordArray:
 
     # --- reductions ----------------------------------------------------------------------
 
-    def _reduce(self, axis: Any, dtype: Any, keepdims: bool) -> RecordArray:
+    def _reduce(self, axis: Any, dtype: DTypeLike, keepdims: bool) -> RecordArray:
         axes = _axes(axis, self.ndim)
         if keepdims:
             shape = tuple(1 if i in axes else n for i, n in enumerate(self.shape))
@@ -594,13 +596,17 @@ class RecordArray:
             self._new((32 * -(-self.size // _REDUCE_BLOCK),), np.uint8)
         return out
 
-    def sum(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RecordArray:
+    def sum(
+        self, axis: Any = None, dtype: DTypeLike | None = None, keepdims: bool = False
+    ) -> RecordArray:
         if dtype is None:
             kind = self.dtype.kind
             dtype = np.int64 if kind in "bi" else np.uint64 if kind == "u" else self.dtype
         return self._reduce(axis, dtype, keepdims)
 
-    def mean(self, axis: Any = None, dtype: Any = None, keepdims: bool = False) -> RecordArray:
+    def mean(
+        self, axis: Any = None, dtype: DTypeLike | None = None, keepdims: bool = False
+    ) -> RecordArray:
         if dtype is None:
             dtype = np.float64 if self.dtype.kind in "biu" else self.dtype
         return self._reduce(axis, dtype, keepdims)
@@ -682,29 +688,31 @@ class Namespace:
 
     # --- making arrays -------------------------------------------------------------------
 
-    def _array(self, shape: Any, dtype: Any = float) -> RecordArray:
+    def _array(self, shape: Any, dtype: DTypeLike = float) -> RecordArray:
         if type(shape) is not tuple or not all(type(n) is int for n in shape):
             shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
             shape = tuple(int(n) for n in shape)
         return RecordArray(self._backend, shape, dtype)
 
-    def empty(self, shape: Any, dtype: Any = float, order: str = "C") -> RecordArray:
+    def empty(self, shape: Any, dtype: DTypeLike = float, order: str = "C") -> RecordArray:
         return self._array(shape, dtype)
 
     zeros = ones = empty
 
-    def full(self, shape: Any, fill_value: Any, dtype: Any = None) -> RecordArray:
+    def full(self, shape: Any, fill_value: Any, dtype: DTypeLike | None = None) -> RecordArray:
         return self._array(shape, dtype if dtype is not None else np.asarray(fill_value).dtype)
 
-    def empty_like(self, a: Any, dtype: Any = None, order: str = "K") -> RecordArray:
+    def empty_like(self, a: Any, dtype: DTypeLike | None = None, order: str = "K") -> RecordArray:
         return self._array(a.shape, a.dtype if dtype is None else dtype)
 
     zeros_like = ones_like = empty_like
 
-    def full_like(self, a: Any, fill_value: Any, dtype: Any = None) -> RecordArray:
+    def full_like(self, a: Any, fill_value: Any, dtype: DTypeLike | None = None) -> RecordArray:
         return self.empty_like(a, dtype)
 
-    def arange(self, start: Any, stop: Any = None, step: Any = 1, dtype: Any = None) -> RecordArray:
+    def arange(
+        self, start: Any, stop: Any = None, step: Any = 1, dtype: DTypeLike | None = None
+    ) -> RecordArray:
         if stop is None:
             start, stop = 0, start
         n = max(0, math.ceil((stop - start) / step))
@@ -712,18 +720,20 @@ class Namespace:
             dtype = np.result_type(start, stop, step)
         return self._array((n,), dtype)
 
-    def asarray(self, a: Any, dtype: Any = None, order: Any = None) -> RecordArray:
+    def asarray(self, a: Any, dtype: DTypeLike | None = None, order: Any = None) -> RecordArray:
         if isinstance(a, RecordArray) and a.nybble_backend is self._backend:
             return a if dtype is None else a.astype(dtype, copy=False)
         return self._backend.from_host(a if dtype is None else self._host(a).astype(dtype))
 
-    def array(self, a: Any, dtype: Any = None, copy: bool = True, order: str = "K") -> RecordArray:
+    def array(
+        self, a: Any, dtype: DTypeLike | None = None, copy: bool = True, order: str = "K"
+    ) -> RecordArray:
         found = self.asarray(a)
         if not copy and (dtype is None or np.dtype(dtype) == found.dtype):
             return found
         return found.astype(found.dtype if dtype is None else dtype, order=order)
 
-    def ascontiguousarray(self, a: Any, dtype: Any = None) -> RecordArray:
+    def ascontiguousarray(self, a: Any, dtype: DTypeLike | None = None) -> RecordArray:
         a = self.asarray(a)
         if a.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
             return a
