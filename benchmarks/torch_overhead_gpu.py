@@ -262,17 +262,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def backend_route(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn with nybble's ops on the backend route: the fast route switched off around each
-    call (its ops decline, and Linear4bit's own call goes to the op)."""
-    direct = _fastpath.direct
+    call (its ops decline, and the layers' own calls go to the ops)."""
+    eager = _fastpath.eager
 
     def call() -> Any:
         _fastpath._unavailable = True
-        _fastpath.direct = _never
+        _fastpath.eager = _never
         try:
             return fn()
         finally:
             _fastpath._unavailable = False
-            _fastpath.direct = direct
+            _fastpath.eager = eager
 
     return call
 

@@ -143,7 +143,7 @@ def backend_route(monkeypatch: pytest.MonkeyPatch) -> None:
     from nybble.torch import _fastpath
 
     monkeypatch.setattr(_fastpath, "_unavailable", True)
-    monkeypatch.setattr(_fastpath, "direct", lambda x: False)
+    monkeypatch.setattr(_fastpath, "eager", lambda x: False)
 
 
 @pytest.mark.parametrize("dq", [False, True])

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 #: The activation dtypes this route multiplies.
 HALF = (torch.float16, torch.bfloat16)
+#: The float dtypes nybble's torch ops take for activations, adapters and masks (`_ops` checks
+#: them by this tuple, in this order; `fits` asks the same).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: The dequantize kernel's output dtypes: (kernel suffix, launch facts' name).
 _DEQUANT = {
     torch.float32: ("f32", "float32"),
@@ -144,12 +147,6 @@ def eager(x: torch.Tensor) -> bool:
         and not _profiler._is_profiler_enabled
         and torch._C._get_tracing_state() is None
     )
-
-
-def direct(x: torch.Tensor) -> bool:
-    """Whether `Linear4bit` may multiply x itself with no autograd wrapper at all: `eager`,
-    and autograd will not follow x."""
-    return eager(x) and not (x.requires_grad and torch.is_grad_enabled())
 
 
 # --- a weight's launches -----------------------------------------------------------------------
@@ -389,8 +386,8 @@ def dequantize(fw: FastWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear(fw: FastWeight, x: torch.Tensor) -> torch.Tensor | None:
-    """x [..., cols] @ W.T for `Linear4bit`'s own calls (`direct(x)` holds): None where the op
-    must take x (for its checks' message, or no rows)."""
+    """x [..., cols] @ W.T for `Linear4bit`'s own calls (`eager(x)`, autograd not following x):
+    None where the op must take x (for its checks' message, or no rows)."""
     if x.dim() == 0 or x.shape[-1] != fw.cols or x.get_device() != fw.index or x.numel() == 0:
         return None
     result: torch.Tensor = _run(fw.index, x.dtype, _linear, fw, x)
@@ -554,22 +551,19 @@ def fits(
         and lora_a.shape[1] == cols
         and lora_b.shape[0] == rows
         and lora_b.shape[1] == lora_a.shape[0]
-        and lora_a.dtype in _FLOATS
-        and lora_b.dtype in _FLOATS
+        and lora_a.dtype in FLOAT_DTYPES
+        and lora_b.dtype in FLOAT_DTYPES
         and lora_a.get_device() == index
         and lora_b.get_device() == index
         and (
             keep is None
-            or (keep.shape == x.shape and keep.dtype in _FLOATS and keep.get_device() == index)
+            or (keep.shape == x.shape and keep.dtype in FLOAT_DTYPES and keep.get_device() == index)
         )
         and (
             bias is None
             or (bias.dim() == 1 and bias.shape[0] == rows and bias.get_device() == index)
         )
     )
-
-
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class QLoraLinear(torch.autograd.Function):
@@ -642,13 +636,13 @@ class Matmul(torch.autograd.Function):
 
 
 __all__ = [
+    "FLOAT_DTYPES",
     "HALF",
     "MAX_WEIGHTS",
     "FastWeight",
     "Matmul",
     "QLoraLinear",
     "dequantize",
-    "direct",
     "eager",
     "fits",
     "linear",

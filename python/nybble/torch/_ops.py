@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import formats
-from . import _kernels
+from . import _fastpath, _kernels
 from ._kernels import Weight
 
 NAMESPACE = "nybble"
@@ -56,7 +56,7 @@ SCHEMAS = {
 }
 
 #: The dtypes an activation may have, and those a dequantized weight may have.
-ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ACTIVATION_DTYPES = _fastpath.FLOAT_DTYPES
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: The formats the ops take (the 4-bit ones the kernels and the GEMV read).
 CODEBOOKS = ("nf4", "fp4")

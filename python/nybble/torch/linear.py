@@ -711,7 +711,7 @@ class _Kept:
     """What a `Linear4bit` keeps of its checked weight (`Linear4bit._kept`): weak references
     to the tensors it checked and their addresses, sizes and dtypes with the layer's format,
     so that it never keeps memory alive and goes stale once any of them changes; and, made on
-    the first direct call, the weight's prepared CUDA launches (`_fastpath.FastWeight`, which
+    the first eager call, the weight's prepared CUDA launches (`_fastpath.FastWeight`, which
     holds addresses, not tensors; False where that route does not take the weight)."""
 
     __slots__ = ("absmax", "absmax2", "fast", "plain", "state", "weight")
