@@ -34,21 +34,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         tie_word_embeddings=False,
     ),
-    "llama-3.1-70b": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=LLAMA3_ROPE,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    ),
     "qwen2.5-7b": dict(
         model_type="qwen2",
         architectures=["Qwen2ForCausalLM"],
@@ -79,6 +64,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
     ),
 }
+
+#: Llama-3.1-70B: the 8B's config but its hidden size, MLP width and query heads.
+SHAPES["llama-3.1-70b"] = dict(
+    SHAPES["llama-3.1-8b"], hidden_size=8192, intermediate_size=28672, num_attention_heads=64
+)
 
 
 def shapes(*names: str) -> dict[str, dict[str, Any]]:
