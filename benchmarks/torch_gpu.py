@@ -39,11 +39,14 @@ Parts (`--parts`, comma-separated; `compile` is `compile-generate,compile-train`
   `--new-tokens` new tokens (no stop token), tokens per second of the decode steps (the
   n-token call less an 8-token call), the prefill time (a 1-token call), and the first
   generated ids of each side.
-- `compile-generate`: `generate` eager, then with transformers' documented compiled route
-  (`generation_config.cache_implementation="static"` and
-  `model.forward = torch.compile(model.forward, mode="reduce-overhead")`, transformers' own
-  auto-compile switched off so the two sides compile alike); tokens per second of each, the
-  compile time (the first compiled call) and whether the ids agree.
+- `compile-generate`: `generate` eager, then with transformers' own compiled decoding
+  (`generation_config.cache_implementation="static"`, `compile_config=CompileConfig(mode=
+  --generate-compile-mode)`: the prefill eager, each decode step a compiled call), on both
+  sides alike: transformers compiles only for quantizers it marks compileable, which
+  bitsandbytes' is not, so its check is answered yes on both; tokens per second of each, the
+  compile time (the first compiled call) and whether the ids agree. (Compiling
+  `model.forward` by hand puts the static cache's first allocation inside a CUDA graph, whose
+  next replay overwrites it: both sides fail that way.)
 - `compile-train`: the plain-loop step eager, then with `torch.compile(model)` (mode
   `--train-compile-mode`), the same data; the median step of each, the compile time, peaks.
 - `profile`: where a step's time goes: the plain-loop step under bf16 autocast (as the
@@ -522,8 +525,6 @@ def part_generate(side: str, args: argparse.Namespace, dev: Device) -> dict[str,
 
 
 def part_compile_generate(side: str, args: argparse.Namespace, dev: Device) -> dict[str, Any]:
-    import torch
-
     model, rec = load(side, args, dev)
     model.eval()
     hf_quantizer = getattr(model, "hf_quantizer", None)
@@ -532,11 +533,13 @@ def part_compile_generate(side: str, args: argparse.Namespace, dev: Device) -> d
     rec["eager"] = eager
     partial(rec)
     try:
-        model.generation_config.cache_implementation = "static"
-        # transformers' auto-compile (for quantizers it deems compileable) stays off: the
-        # forward is compiled by hand, the same way on both sides
-        model.generation_config.disable_compile = True
-        model.forward = torch.compile(model.forward, mode=args.generate_compile_mode)
+        from transformers.generation import CompileConfig
+
+        config = model.generation_config
+        config.cache_implementation = "static"
+        config.compile_config = CompileConfig(mode=args.generate_compile_mode)
+        # the same route on both sides, whatever the quantizer says of itself
+        model._valid_auto_compile_criteria = lambda *_: True
         compiled = generation(model, dev, args.new_tokens)
     except Exception as e:  # the eager figures stay; the compile's failure is the record
         rec["error"] = f"compile: {type(e).__name__}: {str(e)[-1500:]}"
