@@ -21,6 +21,11 @@ optimizer step). Memory, in a pass of its own after the timing: the allocated an
 peaks of one steady step (torch: its peak counters; nybble: `_gpu_memory.PoolPeak`), and the
 process's total from NVML after it.
 
+`--sides nybble` leaves out transformers (a before/after comparison of nybble alone, run with
+each version's package on PYTHONPATH); `--profile` adds where one steady step of nybble's
+spends its host time (cProfile, the functions of largest own time; the wait for the GPU shows
+as the time of the call that reads the loss).
+
 Writes train_gpu.json (into benchmarks/results/ by default).
 """
 
@@ -125,7 +130,34 @@ def nybble_trainer(case: dict[str, Any]) -> Any:
     )
 
 
-def run_nybble(case: dict[str, Any], steps: int, weights_dir: Path) -> dict[str, Any]:
+def host_profile(run: Any, top: int = 25) -> dict[str, Any]:
+    """One call of `run` under cProfile: its wall time and the `top` functions by own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.runcall(run)
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return dict(
+        wall_ms=round(wall * 1e3, 2),
+        top=[
+            dict(
+                function=f"{Path(file).name}:{line}:{name}",
+                calls=int(called),
+                own_ms=round(own * 1e3, 3),
+                cumulative_ms=round(cumulative * 1e3, 3),
+            )
+            for (file, line, name), (_, called, own, cumulative, _) in rows
+        ],
+    )
+
+
+def run_nybble(
+    case: dict[str, Any], steps: int, weights_dir: Path, profile: bool = False
+) -> dict[str, Any]:
     import cupy
     from _gpu_memory import PoolPeak
 
@@ -143,6 +175,7 @@ def run_nybble(case: dict[str, Any], steps: int, weights_dir: Path) -> dict[str,
     with PoolPeak() as peak:
         trainer.train_batch(*batches[-1])
     cupy.cuda.Device().synchronize()
+    profiled = host_profile(lambda: trainer.train_batch(*batches[-1])) if profile else None
     rec = dict(
         step_ms=round(statistics.median(times) * 1e3, 2),
         step_ms_all=[round(t * 1e3, 2) for t in times],
@@ -153,6 +186,8 @@ def run_nybble(case: dict[str, Any], steps: int, weights_dir: Path) -> dict[str,
         nvml_process=nvml_process_bytes(),
         trainable_params=sum(int(v.size) for v in trainer.named_parameters().values()),
     )
+    if profiled is not None:
+        rec["host_profile"] = profiled
     # transformers loads the same base weights: dequantized, in bfloat16, which bitsandbytes
     # quantizes again on load (to nearly the same codes: bfloat16 rounding aside)
     save_base(trainer.state_dict(), case, weights_dir)
@@ -270,19 +305,24 @@ def estimate(case: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def worker(side: str, name: str, steps: int, weights_dir: Path) -> None:
+def worker(side: str, name: str, steps: int, weights_dir: Path, profile: bool) -> None:
     sys.path.insert(0, str(HERE))
     case = CASES[name]
-    rec = (run_nybble if side == "nybble" else run_torch)(case, steps, weights_dir)
+    if side == "nybble":
+        rec = run_nybble(case, steps, weights_dir, profile)
+    else:
+        rec = run_torch(case, steps, weights_dir)
     print("RESULT " + json.dumps(rec), flush=True)
 
 
 # --- the parent: never touches the GPU --------------------------------------------------------
 
 
-def spawn(side: str, name: str, steps: int, weights_dir: Path, timeout: float) -> dict[str, Any]:
+def spawn(
+    side: str, name: str, steps: int, weights_dir: Path, timeout: float, profile: bool = False
+) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", side, "--cases", name, "--steps", str(steps)]
-    cmd += ["--weights-dir", str(weights_dir)]
+    cmd += ["--weights-dir", str(weights_dir)] + (["--profile"] if profile else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -293,13 +333,15 @@ def spawn(side: str, name: str, steps: int, weights_dir: Path, timeout: float) -
     return {"error": f"exit {p.returncode}: {p.stderr.strip()[-1500:]}"}
 
 
-def compare(name: str, steps: int, deadline: float) -> dict[str, Any]:
+def compare(
+    name: str, steps: int, deadline: float, torch_side: bool = True, profile: bool = False
+) -> dict[str, Any]:
     case = CASES[name]
     rec: dict[str, Any] = {"case": name, **case, "r": R, "tokens": case["batch"] * case["seq"]}
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         left = max(30.0, deadline - time.monotonic())
-        rec["nybble"] = spawn("nybble", name, steps, Path(d), left * 0.6)
-        if "error" not in rec["nybble"]:
+        rec["nybble"] = spawn("nybble", name, steps, Path(d), left * 0.6, profile)
+        if torch_side and "error" not in rec["nybble"]:
             left = max(30.0, deadline - time.monotonic())
             rec["torch_peft_bnb"] = spawn("torch", name, steps, Path(d), left)
     ours, theirs = rec["nybble"], rec.get("torch_peft_bnb", {})
@@ -327,6 +369,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--deadline-s", type=float, default=540.0)
+    parser.add_argument("--sides", default="nybble,torch", help="nybble alone, or both")
+    parser.add_argument("--profile", action="store_true", help="nybble's host time of a step")
     parser.add_argument("--worker", choices=["nybble", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--weights-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -334,11 +378,14 @@ def main() -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    sides = args.sides.split(",")
+    if "nybble" not in sides or not set(sides) <= {"nybble", "torch"}:
+        parser.error(f"--sides: nybble or nybble,torch, got {args.sides!r}")
     if args.worker:
-        worker(args.worker, names[0], args.steps, args.weights_dir)
+        worker(args.worker, names[0], args.steps, args.weights_dir, args.profile)
         return
     deadline = time.monotonic() + args.deadline_s
-    records = [compare(n, args.steps, deadline) for n in names]
+    records = [compare(n, args.steps, deadline, "torch" in sides, args.profile) for n in names]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / "train_gpu.json"
     out.write_text(json.dumps({"records": records}, indent=2) + "\n")
