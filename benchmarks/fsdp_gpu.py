@@ -15,7 +15,8 @@ checkpointing (use_reentrant=False), torch AdamW, the loss from `labels`; the me
 `--steps` steps after two warm-ups (a step's time is the slowest rank's), tokens/s =
 GPUs x seq / step. Memory: each rank's `max_memory_reserved` / `max_memory_allocated` over one
 steady step, and NVML's figure for the process where pynvml is present; the record keeps
-every rank's and the largest.
+every rank's and the largest, beside the estimator's figure for the same run
+(`estimate_memory(..., gpus=N, strategy="fsdp")`) and its error (target: within 5%).
 
 - nybble: `nybble.torch.distributed.load_sharded` (each rank quantizes only its rows of each
   weight), PEFT with `register_lora`, `shard_model` (FSDP2's `fully_shard` per decoder layer
@@ -365,6 +366,41 @@ def run(
     return {"side": side, "gpus": gpus, "error": f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"}
 
 
+def estimate(side: str, gpus: int, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """nybble's estimate of one GPU's peaks in this run (`estimate_memory(..., gpus,
+    strategy="fsdp")`; the bnb side's LoRA weights in bf16, as the recipe makes them), and
+    its error against the largest measured peak of the ranks (target: within 5%)."""
+    from nybble import estimate_memory
+
+    try:
+        est = estimate_memory(
+            str(folder),
+            framework="nybble-torch" if side == "nybble" else "peft-bnb",
+            lora_dtype="float32" if side == "nybble" else "bfloat16",
+            lora_r=R,
+            seq_len=args.seq,
+            gpus=gpus,
+            strategy="fsdp",
+            offload=args.offload,
+        )
+    except (KeyError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return dict(
+        reserved_peak=est.reserved_peak_bytes,
+        allocated_peak=est.allocated_peak_bytes,
+        total=est.total_bytes,
+    )
+
+
+def estimate_errors(rec: dict[str, Any]) -> None:
+    """The estimate's relative error against the measured peaks (largest rank's)."""
+    est = rec.get("estimate", {})
+    for kind in ("reserved", "allocated"):
+        measured, modelled = rec.get(f"peak_{kind}_max"), est.get(f"{kind}_peak")
+        if measured and modelled:
+            rec[f"estimate_error_{kind}"] = round(modelled / measured - 1, 4)
+
+
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     """nybble against bnb at each GPU count, and each side's scaling from its fewest GPUs."""
     by = {(r["side"], r["gpus"]): r for r in records if "error" not in r}
@@ -437,6 +473,9 @@ def main() -> None:
                 rec = run(side, gpus, folder, args, deadline - time.monotonic())
                 rec.setdefault("side", side)
                 rec.setdefault("gpus", gpus)
+                if not args.cpu and "error" not in rec:
+                    rec["estimate"] = estimate(side, gpus, folder, args)
+                    estimate_errors(rec)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
     config = dict(
