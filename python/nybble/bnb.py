@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from . import _json, backends, formats
 from .errors import FormatError
-from .formats import NESTED_BLOCKSIZE, NestedAbsmax, Packed
+from .formats import NESTED_BLOCKSIZE, Codebook, NestedAbsmax, OutputDtype, Packed
 from .tensor import NF4Tensor, quantize, scale_problem
 
 QuantType = Literal["nf4", "fp4"]
@@ -138,9 +139,70 @@ def _int_field(meta: Mapping[str, Any], name: str, key: str) -> int:
     return int(value)  # type: ignore[arg-type]
 
 
-def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
-    """An NF4Tensor from the entries `export_state` (or bitsandbytes) writes. Anything
-    malformed, inconsistent or not understood raises FormatError naming the key and field."""
+#: What a reader of a state knows of one of its arrays before reading its values: (number of
+#: elements, dtype); FormatError (missing) where the state has no such key.
+ArrayInfo = Callable[[str], tuple[int, np.dtype[Any]]]
+
+
+@dataclass(frozen=True)
+class StateHeader:
+    """What a weight's bitsandbytes entries say of it, every field checked but the values of
+    its codes and scales (`read_header`): enough to read a range of its blocks alone
+    (`packed`)."""
+
+    prefix: str
+    key: str  # the quant state's key
+    codebook: Codebook
+    blocksize: int
+    shape: tuple[int, ...]
+    orig_dtype: OutputDtype
+    #: Double quantization's offset (the scales' mean), or None for plain float32 scales.
+    nested_offset: float | None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nblocks(self) -> int:
+        return formats.block_count(self.size, self.blocksize)
+
+    def packed(
+        self, codes: Any, absmax: Any, absmax2: Any = None, blocks: tuple[int, int] | None = None
+    ) -> Packed:
+        """Blocks [k0, k1) of the weight (default: all) as a flat Packed in nybble's nibble
+        order, from their arrays as stored: the codes' bytes, the scales [k0, k1) and under
+        double quantization the nested scales of their groups (k0 a multiple of
+        NESTED_BLOCKSIZE, k1 one or the end). FormatError for a bad scale, naming its key."""
+        k0, k1 = blocks if blocks is not None else (0, self.nblocks)
+        if self.nested_offset is not None and (k0 % NESTED_BLOCKSIZE or k1 > self.nblocks):
+            raise ValueError(f"blocks [{k0}, {k1}) do not start a group of nested scales")
+        n = min(k1 * self.blocksize, self.size) - k0 * self.blocksize
+        shape = self.shape if (k0, k1) == (0, self.nblocks) else (n,)
+        codes_ours = swap_nibbles(np.ascontiguousarray(codes).reshape(-1))
+        absmax = np.ascontiguousarray(absmax).reshape(-1)
+        if self.nested_offset is None:
+            packed = Packed(codes_ours, absmax, None, shape, self.blocksize, self.codebook)
+        else:
+            absmax2 = np.ascontiguousarray(absmax2).reshape(-1)
+            nested = NestedAbsmax(absmax, absmax2, self.nested_offset)
+            packed = Packed(codes_ours, None, nested, shape, self.blocksize, self.codebook)
+        problem = scale_problem(packed)  # NaN, inf, or a scale that would flip its block's signs
+        if problem is not None:
+            fields = {
+                "nested offset": f"{self.key}: nested_offset",
+                "nested absmax2": f"{self.prefix}.nested_absmax",
+            }
+            first = next((f for k, f in fields.items() if problem.startswith(k)), None)
+            raise FormatError(SOURCE, problem, first or f"{self.prefix}.absmax")
+        return packed
+
+
+def read_header(state: Mapping[str, Any], prefix: str, info: ArrayInfo) -> StateHeader:
+    """The checked header of the weight under `prefix`: its quant state and value maps read
+    from `state`, the sizes and dtypes of its codes and scales from `info` (their values are
+    not read). Anything malformed, inconsistent or not understood raises FormatError naming
+    the key and field."""
     if not isinstance(state, Mapping):
         raise FormatError(SOURCE, f"expected a mapping of names to arrays, got {type(state)}")
     head = f"{prefix}.quant_state.bitsandbytes__"
@@ -175,12 +237,12 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
 
     n = math.prod(shape)
     nblocks = formats.block_count(n, blocksize)
-    codes = _array(state, prefix)
-    _expect(codes.dtype == np.uint8, prefix, f"dtype {codes.dtype}, expected uint8")
+    size, codes_dtype = info(prefix)
+    _expect(codes_dtype == np.uint8, prefix, f"dtype {codes_dtype}, expected uint8")
     _expect(
-        codes.size == formats.code_bytes(n, codebook),
+        size == formats.code_bytes(n, codebook),
         prefix,
-        f"{codes.size} bytes, shape {list(shape)} needs {formats.code_bytes(n, codebook)}",
+        f"{size} bytes, shape {list(shape)} needs {formats.code_bytes(n, codebook)}",
     )
     quant_map = _table(state, f"{prefix}.quant_map")
     _expect(
@@ -188,72 +250,63 @@ def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
         f"{prefix}.quant_map",
         f"not the standard {quant_type} codebook",
     )
-    absmax = _array(state, f"{prefix}.absmax").reshape(-1)
-    _expect(
-        absmax.size == nblocks, f"{prefix}.absmax", f"{absmax.size} entries, expected {nblocks}"
-    )
+    size, absmax_dtype = info(f"{prefix}.absmax")
+    _expect(size == nblocks, f"{prefix}.absmax", f"{size} entries, expected {nblocks}")
 
     nested_keys = [f"{prefix}.nested_absmax", f"{prefix}.nested_quant_map"]
-    is_nested = "nested_offset" in meta or any(k in state for k in nested_keys)
-    nested = None
-    absmax_f32 = None
-    if is_nested:
+    if not ("nested_offset" in meta or any(k in state for k in nested_keys)):
         _expect(
-            absmax.dtype == np.uint8,
+            absmax_dtype == np.float32,
             f"{prefix}.absmax",
-            f"dtype {absmax.dtype}; double quantization stores uint8 codes",
+            f"dtype {absmax_dtype}; without nested_offset the scales are float32",
         )
-        _expect(
-            _int_field(meta, "nested_blocksize", key) == NESTED_BLOCKSIZE,
-            f"{key}: nested_blocksize",
-            f"must be {NESTED_BLOCKSIZE}",
-        )
-        nested_map = _table(state, f"{prefix}.nested_quant_map")
-        _expect(
-            np.array_equal(nested_map, formats.values("dynamic8")),
-            f"{prefix}.nested_quant_map",
-            "not the dynamic 8-bit map",
-        )
-        absmax2 = _array(state, f"{prefix}.nested_absmax").reshape(-1)
-        _expect(
-            absmax2.dtype == np.float32,
-            f"{prefix}.nested_absmax",
-            f"dtype {absmax2.dtype}, expected float32",
-        )
-        want = formats.block_count(nblocks, NESTED_BLOCKSIZE)
-        _expect(
-            absmax2.size == want,
-            f"{prefix}.nested_absmax",
-            f"{absmax2.size} entries, expected {want}",
-        )
-        offset = meta.get("nested_offset")
-        _expect(
-            isinstance(offset, (int, float))
-            and not isinstance(offset, bool)
-            and abs(offset) <= _F32_MAX,
-            f"{key}: nested_offset",
-            f"expected a finite float32 number, got {offset!r}",
-        )
-        nested = NestedAbsmax(
-            np.ascontiguousarray(absmax),
-            np.ascontiguousarray(absmax2),
-            float(offset),  # type: ignore[arg-type]
-        )
-    else:
-        _expect(
-            absmax.dtype == np.float32,
-            f"{prefix}.absmax",
-            f"dtype {absmax.dtype}; without nested_offset the scales are float32",
-        )
-        absmax_f32 = np.ascontiguousarray(absmax)
-    codes_ours = swap_nibbles(np.ascontiguousarray(codes).reshape(-1))
-    packed = Packed(codes_ours, absmax_f32, nested, shape, blocksize, codebook)
-    problem = scale_problem(packed)  # NaN, inf, or a scale that would flip its block's signs
-    if problem is not None:
-        fields = {
-            "nested offset": f"{key}: nested_offset",
-            "nested absmax2": f"{prefix}.nested_absmax",
-        }
-        field = next((f for k, f in fields.items() if problem.startswith(k)), f"{prefix}.absmax")
-        raise FormatError(SOURCE, problem, field)
-    return NF4Tensor._trusted(packed, orig_dtype)
+        return StateHeader(prefix, key, codebook, blocksize, shape, orig_dtype, None)
+    _expect(
+        absmax_dtype == np.uint8,
+        f"{prefix}.absmax",
+        f"dtype {absmax_dtype}; double quantization stores uint8 codes",
+    )
+    _expect(
+        _int_field(meta, "nested_blocksize", key) == NESTED_BLOCKSIZE,
+        f"{key}: nested_blocksize",
+        f"must be {NESTED_BLOCKSIZE}",
+    )
+    nested_map = _table(state, f"{prefix}.nested_quant_map")
+    _expect(
+        np.array_equal(nested_map, formats.values("dynamic8")),
+        f"{prefix}.nested_quant_map",
+        "not the dynamic 8-bit map",
+    )
+    size, absmax2_dtype = info(f"{prefix}.nested_absmax")
+    _expect(
+        absmax2_dtype == np.float32,
+        f"{prefix}.nested_absmax",
+        f"dtype {absmax2_dtype}, expected float32",
+    )
+    want = formats.block_count(nblocks, NESTED_BLOCKSIZE)
+    _expect(size == want, f"{prefix}.nested_absmax", f"{size} entries, expected {want}")
+    offset = meta.get("nested_offset")
+    _expect(
+        isinstance(offset, (int, float))
+        and not isinstance(offset, bool)
+        and abs(offset) <= _F32_MAX,
+        f"{key}: nested_offset",
+        f"expected a finite float32 number, got {offset!r}",
+    )
+    return StateHeader(prefix, key, codebook, blocksize, shape, orig_dtype, float(offset))  # type: ignore[arg-type]
+
+
+def import_state(state: Mapping[str, Any], prefix: str = "weight") -> NF4Tensor:
+    """An NF4Tensor from the entries `export_state` (or bitsandbytes) writes. Anything
+    malformed, inconsistent or not understood raises FormatError naming the key and field."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def info(key: str) -> tuple[int, np.dtype[Any]]:
+        if key not in arrays:
+            arrays[key] = _array(state, key)
+        return arrays[key].size, arrays[key].dtype
+
+    header = read_header(state, prefix, info)
+    absmax2 = arrays.get(f"{prefix}.nested_absmax")
+    packed = header.packed(arrays[prefix], arrays[f"{prefix}.absmax"], absmax2)
+    return NF4Tensor._trusted(packed, header.orig_dtype)

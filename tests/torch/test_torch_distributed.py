@@ -6,6 +6,8 @@ saves the same adapter (as PEFT's files, from rank 0).
 The runs, in one pair of processes (started once, to keep the file fast):
 - FSDP2 over a model loaded per rank (`load_sharded`: each rank quantizes its rows only),
   double-quantized scales, gradient checkpointing, the adapter saved;
+- FSDP2 over a model loaded per rank from a checkpoint stored 4-bit (`load_sharded` reading
+  only its rows' codes and scales): the same weights, bit for bit, and the same training;
 - FSDP2 over a model loaded whole (`from_pretrained` with NybbleConfig), with CPU offload;
 - FSDP2 with bfloat16 mixed precision for the LoRA parameters (trains; near the float32
   losses);
@@ -14,8 +16,9 @@ The runs, in one pair of processes (started once, to keep the file fast):
   them refused by name.
 Single-process tests cover FSDP2 as torch <= 2.11 builds its sharded parameters (emulated on
 the torch that runs them: uint8 parameters made with the default requires_grad=True), NF4Weight's
-pieces and gathers (uneven block and group boundaries), the storage dtype checks and the
-adapter's atomic save."""
+pieces and gathers (uneven block and group boundaries), the rows `load_sharded` reads of a
+4-bit checkpoint (uneven block and group boundaries; bad entries named), the storage dtype
+checks and the adapter's atomic save."""
 
 from __future__ import annotations
 
@@ -134,6 +137,39 @@ def _fsdp_sharded_load(rank: int, path: Path, out: Path) -> dict[str, Any]:
     return info
 
 
+def _held_arrays(model: Any) -> dict[str, list[Any]]:
+    return {
+        n: [t for t in m.weight._box.arrays.values() if t is not None]
+        for n, m in model.named_modules()
+        if isinstance(m, nt.Linear4bit)
+    }
+
+
+def _fsdp_from_4bit(rank: int, path: Path, out: Path) -> dict[str, Any]:
+    """Loaded per rank from the checkpoint stored 4-bit (its own config: double quantization),
+    against the same rows quantized from the float checkpoint."""
+    mesh = nd.default_mesh()
+    model = nd.load_sharded(path / "nf4", mesh, dtype=torch.float32)
+    quantized = nd.load_sharded(
+        path, mesh, quantization_config=nt.NybbleConfig(double_quant=True), dtype=torch.float32
+    )
+    ours, want = _held_arrays(model), _held_arrays(quantized)
+    info: dict[str, Any] = {
+        "layers": len(ours),
+        "held": {n: list(m.weight.rows_held) for n, m in model.named_modules() if n in ours},
+        "differ": [
+            n
+            for n in want
+            if len(ours[n]) != len(want[n])
+            or not all(torch.equal(a, b) for a, b in zip(ours[n], want[n], strict=True))
+        ],
+    }
+    model = peft_model(model)
+    nd.shard_model(model, mesh)
+    info["losses"] = train(model, batches(), rank)
+    return info
+
+
 def _fsdp_offload(rank: int, path: Path, out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import CPUOffloadPolicy  # noqa: F401 - offload=True uses it
 
@@ -201,6 +237,7 @@ def _fsdp1(rank: int, path: Path, out: Path) -> dict[str, Any]:
 
 RUNS = {
     "fsdp_dq": _fsdp_sharded_load,
+    "fsdp_4bit": _fsdp_from_4bit,
     "fsdp_offload": _fsdp_offload,
     "fsdp_mp": _fsdp_mixed_precision,
     "ddp": _ddp,
@@ -239,6 +276,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32)
     path = tmp_path_factory.mktemp("llama")
     model.save_pretrained(path)
+    loaded(path, dq=True).save_pretrained(path / "nf4")  # the same model stored 4-bit
     return path
 
 
@@ -299,6 +337,17 @@ def test_fsdp_loaded_per_rank_trains_like_one_process(runs: Any, reference: Any)
     _same_adapter(_adapter(out / "fsdp_dq"), want_adapter)
     config = json.loads((out / "fsdp_dq" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4
+
+
+def test_fsdp_loaded_per_rank_from_a_4bit_checkpoint_trains_like_one_process(
+    runs: Any, reference: Any
+) -> None:
+    r0, r1, _ = runs
+    for r, res in enumerate((r0, r1)):
+        info = _ok(res["fsdp_4bit"])
+        assert info["layers"] == 14 and info["differ"] == []  # the rows' arrays, bit for bit
+        assert info["held"]["model.layers.1.mlp.up_proj"] == [64 * r, 64 * (r + 1)]
+        torch.testing.assert_close(info["losses"], reference[True][0], rtol=1e-5, atol=1e-5)
 
 
 def test_fsdp_with_cpu_offload_trains_like_one_process(runs: Any, reference: Any) -> None:
@@ -549,6 +598,142 @@ def test_float_storage_keeps_the_codes_and_refuses_a_cast(storage: Any) -> None:
     layer.weight.data = torch.zeros(3, 1, dtype=storage)  # a shard that was not gathered
     with pytest.raises(StorageDtypeError, match="not gathered"):
         layer(x)
+
+
+class _RankMesh(_Mesh):
+    """One rank of a `world`-rank mesh, as load_sharded asks of it (a 4-bit checkpoint's rows
+    are read with no collective)."""
+
+    device_type = "cpu"
+
+    def get_group(self) -> None:
+        return None
+
+
+@pytest.fixture
+def one_process_group() -> Any:
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _uneven_4bit_checkpoint(path: Path, dq: bool) -> Any:
+    """A Llama whose ranks' rows cut blocks (rows of 70 and 600 elements) and, under double
+    quantization, groups of nested scales (a rank's 300 rows of gate_proj: 328 blocks), saved
+    4-bit; returns the model loaded whole."""
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        hidden_size=70,
+        intermediate_size=600,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path / "float")
+    whole = loaded(path / "float", dq)
+    whole.save_pretrained(path / "nf4")
+    return whole
+
+
+@pytest.mark.parametrize("dq", [False, True])
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_sharded_reads_its_rows_of_a_4bit_checkpoint_bit_for_bit(
+    one_process_group: Any, tmp_path: Path, dq: bool, world: int
+) -> None:
+    whole = _uneven_4bit_checkpoint(tmp_path, dq)
+    wants = {n: m for n, m in whole.named_modules() if isinstance(m, nt.Linear4bit)}
+    assert len(wants) == 7
+    for rank in range(world):
+        model = nd.load_sharded(tmp_path / "nf4", _RankMesh(world, rank), dtype=torch.float32)
+        for name, layer in model.named_modules():
+            if not isinstance(layer, nt.Linear4bit):
+                continue
+            want = wants[name]
+            assert (layer.blocksize, layer.double_quant) == (64, dq)
+            per = want.out_features // world
+            a, b = rank * per, (rank + 1) * per
+            w = layer.weight
+            assert w.rows_held == (a, b)
+            span = w._box.layout.span(a, b)
+            kinds = ("codes", "absmax", "absmax2")
+            full = dict(zip(kinds, want.pack_().weight.arrays(), strict=True))
+            for kind, got in w._box.arrays.items():
+                if full[kind] is None:
+                    assert got is None
+                    continue
+                s0, s1 = span[kind]
+                assert torch.equal(got, full[kind][s0:s1]), (name, kind)
+            assert layer.offset == want.offset
+        torch.testing.assert_close(
+            model.model.embed_tokens.weight, whole.model.embed_tokens.weight, rtol=0, atol=0
+        )
+
+
+def _edit(path: Path, change: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path / "model.safetensors")
+    change(state)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_load_sharded_names_what_is_wrong_with_a_4bit_checkpoint(
+    one_process_group: Any, tmp_path: Path
+) -> None:
+    from nybble.errors import FormatError
+
+    _uneven_4bit_checkpoint(tmp_path, dq=True)
+    nf4 = tmp_path / "nf4"
+    key = "model.layers.0.mlp.down_proj.weight"
+    original = (nf4 / "model.safetensors").read_bytes()
+
+    def attempt() -> None:
+        nd.load_sharded(nf4, _RankMesh(2, 1), dtype=torch.float32)
+
+    def restore() -> None:
+        (nf4 / "model.safetensors").write_bytes(original)
+
+    def scales_as_float16(state: dict[str, Any]) -> None:
+        state[f"{key}.absmax"] = state[f"{key}.absmax"].to(torch.float16)
+
+    def nan_nested_scale(state: dict[str, Any]) -> None:
+        state[f"{key}.nested_absmax"][-1] = float("nan")
+
+    def fp4(state: dict[str, Any]) -> None:
+        from nybble import formats
+
+        blob = state.pop(f"{key}.quant_state.bitsandbytes__nf4")
+        meta = json.loads(bytes(blob.tolist()))
+        meta["quant_type"] = "fp4"
+        data = json.dumps(meta).encode()
+        state[f"{key}.quant_state.bitsandbytes__fp4"] = torch.tensor(list(data), dtype=torch.uint8)
+        state[f"{key}.quant_map"] = torch.from_numpy(formats.values("fp4").copy())
+
+    def codes_cut(state: dict[str, Any]) -> None:
+        state[key] = state[key][:-1].clone()
+
+    cases = [
+        (scales_as_float16, FormatError, f"{key}.absmax.*float16"),
+        (nan_nested_scale, FormatError, f"{key}.nested_absmax"),
+        (fp4, FormatError, "holds NF4 weights; this one is fp4"),
+        (codes_cut, FormatError, f"{key}.*bytes"),
+    ]
+    for change, error, match in cases:
+        _edit(nf4, change)
+        with pytest.raises(error, match=match):
+            attempt()
+        restore()
+    # another model's config over these weights: the shape is named
+    config = json.loads((nf4 / "config.json").read_text())
+    config["intermediate_size"] = 640
+    (nf4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"gate_proj.weight has shape \[600, 70\]"):
+        attempt()
 
 
 def test_quant_storage_rejects_other_dtypes() -> None:

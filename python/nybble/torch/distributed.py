@@ -12,7 +12,8 @@ parallel with DDP, per-rank loading, and the adapter saved on rank 0 (docs/multi
 - `load_sharded(path, mesh)`: a checkpoint loaded for FSDP2 without any rank holding the
   whole model: parameters are created on the meta device, each rank reads and quantizes only
   the rows of each linear weight that its shard holds (the codes are those of quantizing the
-  whole weight, bit for bit), and the unquantized parameters (embeddings, norms, head) are
+  whole weight, bit for bit), or of a checkpoint stored 4-bit (bitsandbytes' entries) reads
+  only those rows' codes and scales; the unquantized parameters (embeddings, norms, head) are
   read whole, one at a time.
 - `save_adapter(model, directory)`: the LoRA adapter gathered from the shards and written by
   rank 0 as PEFT's files (adapter_config.json, adapter_model.safetensors), each file
@@ -26,14 +27,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import bnb
 from .._files import (
     finish_temporary,
     fsync_directory,
@@ -41,7 +44,9 @@ from .._files import (
     remove_stale_temporaries,
     temporary_directory,
 )
+from ..errors import FormatError
 from ..formats import NESTED_BLOCKSIZE
+from ..safetensors_io import DTYPES
 from ._packed import Layout, NF4Weight
 from .linear import QUANT_STORAGE_DTYPES, Linear4bit, _backend_double_quantize
 
@@ -279,6 +284,7 @@ class _Checkpoint:
         else:
             raise FileNotFoundError(f"{root}: no model.safetensors or model.safetensors.index.json")
         self._open: dict[Path, Any] = {}
+        self._grouped: dict[str, list[str]] | None = None
         self.root = root
 
     def __contains__(self, key: str) -> bool:
@@ -302,6 +308,25 @@ class _Checkpoint:
 
     def tensor(self, key: str) -> torch.Tensor:
         return self._file(key).get_tensor(key)
+
+    def entries(self, prefix: str) -> list[str]:
+        """The tensors named `prefix` or `prefix.*` (one weight's entries)."""
+        if self._grouped is None:
+            self._grouped = {}
+            for k in self.files:
+                head, dot, _ = k.partition(".weight.")
+                self._grouped.setdefault(head + ".weight" if dot else k, []).append(k)
+        return self._grouped.get(prefix, [])
+
+    def info(self, key: str) -> tuple[int, np.dtype[Any]]:
+        """(elements, numpy dtype) of `key` without reading it (FormatError where the
+        checkpoint has no such tensor)."""
+        if key not in self.files:
+            raise FormatError(str(self.root), "missing", key)
+        view = self._file(key).get_slice(key)
+        known = DTYPES.get(view.get_dtype())
+        dtype = known.numpy if known is not None and known.numpy is not None else None
+        return int(np.prod(view.get_shape())), np.dtype(dtype if dtype is not None else "V1")
 
     def close(self) -> None:
         self._open.clear()
@@ -368,6 +393,85 @@ def _quantize_rows(
     )
 
 
+class _Entries(Mapping[str, Any]):
+    """The checkpoint's entries of one weight (`prefix` and `prefix.*`) as a mapping, each
+    read whole when asked for (bnb.read_header asks only for the small ones)."""
+
+    def __init__(self, ckpt: _Checkpoint, prefix: str) -> None:
+        self.ckpt = ckpt
+        self.names = ckpt.entries(prefix)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.names:
+            raise KeyError(key)
+        return self.ckpt.tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _stored_4bit(ckpt: _Checkpoint, key: str) -> bool:
+    """Whether the checkpoint holds weight `key` 4-bit (bitsandbytes' entries, as bitsandbytes
+    and nybble save them) rather than as floats."""
+    head = f"{key}.quant_state.bitsandbytes__"
+    return any(k.startswith(head) for k in ckpt.entries(key))
+
+
+def _read_rows(
+    ckpt: _Checkpoint,
+    key: str,
+    layer: Linear4bit,
+    a: int,
+    b: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> NF4Weight:
+    """Rows [a, b) of the weight `key` stored 4-bit, as stored: its header checked
+    (bnb.read_header: FormatError naming the entry), then only the codes and scales of the
+    blocks the rows touch read (under double quantization, the nested groups they touch,
+    whose scales are checked too). The layer takes the checkpoint's blocksize and double
+    quantization."""
+    header = bnb.read_header(_Entries(ckpt, key), key, ckpt.info)
+    if header.codebook != "nf4":
+        raise FormatError(
+            str(ckpt.root),
+            f"nybble.torch.Linear4bit holds NF4 weights; this one is {header.codebook}",
+            header.key,
+        )
+    rows, cols = layer.out_features, layer.in_features
+    if header.shape != (rows, cols):
+        raise ValueError(
+            f"{ckpt.root}: {key} has shape {list(header.shape)}, the layer [{rows}, {cols}]"
+        )
+    nested = header.nested_offset is not None
+    bs = header.blocksize
+    layout = Layout(rows, cols, bs, nested, header.nested_offset or 0.0, dtype)
+    k0, k1 = layout.span(a, b)["absmax"]
+    # read whole nested groups, so that the scales read can be checked as they decode
+    g = NESTED_BLOCKSIZE if nested else 1
+    r0, r1 = k0 // g * g, min(-(-k1 // g) * g, layout.nblocks)
+    c0, c1 = r0 * bs // 2, -(-min(r1 * bs, layout.n) // 2)
+    absmax2 = ckpt.rows(f"{key}.nested_absmax", r0 // g, -(-r1 // g)) if nested else None
+    packed = header.packed(
+        ckpt.rows(key, c0, c1), ckpt.rows(f"{key}.absmax", r0, r1), absmax2, (r0, r1)
+    )
+    span = layout.span(a, b)
+    s0, s1 = (i - c0 for i in span["codes"])
+    codes = torch.from_numpy(packed.codes[s0:s1].copy()).to(device)
+    absmax2_held = None
+    if packed.nested is not None:
+        scales = torch.from_numpy(packed.nested.codes[k0 - r0 : k1 - r0].copy()).to(device)
+        absmax2_held = torch.from_numpy(packed.nested.absmax2.copy()).to(device)
+    else:
+        assert packed.absmax is not None
+        scales = torch.from_numpy(packed.absmax[k0 - r0 : k1 - r0].copy()).to(device)
+    layer.blocksize, layer.double_quant = bs, nested
+    return NF4Weight.from_arrays(layout, codes, scales, absmax2_held, held=(a, b))
+
+
 def load_sharded(
     path: str | os.PathLike[str],
     mesh: Any = None,
@@ -378,13 +482,17 @@ def load_sharded(
     model_class: Any = None,
     **config_kwargs: Any,
 ) -> nn.Module:
-    """A transformers model from a float safetensors checkpoint, loaded for FSDP2 on `mesh`
-    without any rank holding the whole model: parameters are created on the meta device;
-    every linear layer `NybbleConfig` quantizes (`quantization_config`, default
-    `NybbleConfig()`) gets only this rank's rows (out_features / mesh size of them), read from
-    the checkpoint and quantized on `device` (the codes and scales are those of quantizing
-    the whole weight, nested scales included); the other parameters are read whole, one
-    tensor at a time, in `dtype` (default: the config's). Then apply PEFT
+    """A transformers model from a safetensors checkpoint, loaded for FSDP2 on `mesh` without
+    any rank holding the whole model: parameters are created on the meta device; every linear
+    layer `NybbleConfig` quantizes (`quantization_config`; default: the checkpoint's own
+    4-bit config where it has one, as `pretrained_config` reads it, else `NybbleConfig()`)
+    gets only this rank's rows (out_features / mesh size of them): a float weight's rows read
+    and quantized on `device` (the codes and scales are those of quantizing the whole weight,
+    nested scales included), a weight stored 4-bit (bitsandbytes' entries, as bitsandbytes
+    and nybble save them) only those rows' codes and scales read, with the checkpoint's
+    blocksize and double quantization (its header checked: FormatError naming the entry).
+    The other parameters are read whole, one tensor at a time, in `dtype` (default: the
+    config's). Then apply PEFT
     (`get_peft_model(model, register_lora(lora))`) and `shard_model(model, mesh)` on the same
     mesh; until then the model cannot run (each rank holds its rows only).
 
@@ -394,13 +502,19 @@ def load_sharded(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ._transformers import NybbleConfig, NybbleQuantizer
+    from ._transformers import NybbleConfig, NybbleQuantizer, pretrained_config
 
     _require_distributed()
     mesh = mesh if mesh is not None else default_mesh()
     world, rank = mesh.size(), mesh.get_local_rank()
     group = mesh.get_group()
-    qconfig = quantization_config if quantization_config is not None else NybbleConfig()
+    qconfig = quantization_config
+    if qconfig is None:
+        stored = getattr(pretrained_config(path, **config_kwargs), "quantization_config", None)
+        if stored is None:
+            qconfig = NybbleConfig()
+        else:
+            qconfig = stored if isinstance(stored, NybbleConfig) else NybbleConfig(**stored)
     if not isinstance(qconfig, NybbleConfig):
         raise ValueError(
             f"quantization_config must be a NybbleConfig, got {type(qconfig).__name__}"
@@ -430,17 +544,11 @@ def load_sharded(
                     "(leave it unquantized with NybbleConfig(skip_modules=[...]))"
                 )
             per = rows // world
-            weight = _quantize_rows(
-                ckpt,
-                f"{name}.weight",
-                layer,
-                rank * per,
-                (rank + 1) * per,
-                dtype,
-                device,
-                group,
-                world,
-            )
+            a, b, key = rank * per, (rank + 1) * per, f"{name}.weight"
+            if _stored_4bit(ckpt, key):
+                weight = _read_rows(ckpt, key, layer, a, b, dtype, device)
+            else:
+                weight = _quantize_rows(ckpt, key, layer, a, b, dtype, device, group, world)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer._buffers["absmax"] = None
             layer._buffers["absmax2"] = None
