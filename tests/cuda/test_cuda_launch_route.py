@@ -76,6 +76,9 @@ def test_an_argument_is_its_address_or_the_bytes_of_its_type() -> None:
     assert kernels.slot(np.int64(-1)) == 2**64 - 1
     assert kernels.slot(np.uint32(7)) == 7 and kernels.slot(np.uint64(0)) == 0  # a null pointer
     assert kernels.slot(np.float32(1.0)) == 0x3F80_0000
+    for v in (np.int32(-(2**31)), np.int32(2**31 - 1), np.int64(-(2**63)), np.uint64(2**64 - 1)):
+        assert kernels.slot(v) == int(v.view(np.dtype(v.dtype.str.replace("i", "u"))))
+    assert kernels.slot(np.float32(-0.0)) == 0x8000_0000
     assert kernels.slot(np.float32(-0.5)) == int(np.float32(-0.5).view(np.uint32))
     for a in (np.int32(5), np.int64(-3), np.float32(0.1), np.uint32(9)):  # as the driver reads
         raw = kernels.slot(a).to_bytes(8, "little")[: a.dtype.itemsize]
