@@ -178,6 +178,12 @@ class NF4Tensor:
             self._dequantize_call = self._backend.dequantize_call(self._packed)
         return result
 
+    def _keep_gemv_call(self) -> None:
+        """Keeps the backend's per-token GEMV call for this tensor once a checked GEMV has
+        prepared it (nybble.cuda.nf4_matmul's first try), as `dequantize` keeps its own."""
+        if self._gemv_call is None:
+            self._gemv_call = self._backend.gemv_call(self._packed)
+
     def to_blocks(self) -> np.ndarray:
         """The 36-byte GPU layout: per 64 values, f32 absmax (little-endian) + 32 code bytes;
         a host array. The layout is NF4's, in blocks of 64 (without double quantization's

@@ -320,6 +320,12 @@ class Backend(Protocol):
         returns None for a call it does not take; None where the backend has none (yet)."""
         ...
 
+    def gemv_call(self, w: Packed) -> Callable[[Array, Array | None], Array | None] | None:
+        """The fused GEMV's per-token call for w, `call(x, out)`, which returns None for a
+        call it does not take; None where the backend has none (yet: a checked GEMV
+        prepares it)."""
+        ...
+
     def double_quantize(self, absmax: Array) -> NestedAbsmax: ...
 
     def double_dequantize(self, nested: NestedAbsmax) -> Array:

@@ -172,6 +172,9 @@ class CpuBackend:
     def dequantize_call(self, q: Packed) -> None:
         return None  # the core's dequantize is the whole cost here
 
+    def gemv_call(self, w: Packed) -> None:
+        return None  # the fused GEMV is the GPU's
+
     def _scales(self, q: Packed) -> np.ndarray:
         """The float32 scales, decoded from nested ones."""
         if q.nested is not None:

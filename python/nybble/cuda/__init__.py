@@ -94,8 +94,7 @@ def nf4_matmul(x: Any, q: NF4Tensor, out: Any = None) -> Any:
     w = _weight(q)
     x2, lead = _tokens(x, q, 1, "x")
     y = backend().quantized_matmul(x2, w, out=_out_2d(out, lead, q.shape[0]))
-    if q._gemv_call is None:
-        q._gemv_call = backend().gemv_call(w)
+    q._keep_gemv_call()
     if out is not None:
         return out
     return y if len(lead) == 1 else y.reshape(*lead, q.shape[0])

@@ -282,7 +282,7 @@ class CudaBackend:
         prepared = self._prepared.get(id(q))
         return None if prepared is None else prepared.dequantize.whole
 
-    def gemv_call(self, w: Packed) -> Any:
+    def gemv_call(self, w: Packed) -> Callable[[Array, Array | None], Array | None] | None:
         """The fused GEMV's per-token call for `w` (launch.GemvWeight.fast) once a checked
         call prepared it and it is kept (see `prepared`), else None."""
         prepared = self._prepared.get(id(w))
