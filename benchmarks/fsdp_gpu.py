@@ -3,7 +3,8 @@ under FSDP (issue 43; docs/multi-gpu.md), per-GPU peak memory and tokens per sec
 and 4 GPUs, each configuration a fresh `torchrun`.
 
     python3 benchmarks/fsdp_gpu.py [--gpus 1,2,4] [--sides nybble,bnb] [--layers 8]
-        [--seq 2048] [--steps 4] [--offload] [--work-dir DIR] [--out-dir DIR]
+        [--seq 2048] [--steps 4] [--offload] [--units decoder|decoder,ends] [--work-dir DIR]
+        [--out-dir DIR]
 
 Model: the Llama-3.1-70B shape (hidden 8192, intermediate 28672, 64 heads, 8 KV heads,
 head_dim 128, vocabulary 128256, llama3 rope) with `--layers` decoder layers (default 8: a
@@ -168,7 +169,7 @@ def _lora(side: str) -> Any:
     return lora
 
 
-def build_nybble(folder: Path, device: Any, offload: bool) -> Any:
+def build_nybble(folder: Path, device: Any, offload: bool, units: str = "decoder") -> Any:
     import torch
     from peft import get_peft_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -191,7 +192,11 @@ def build_nybble(folder: Path, device: Any, offload: bool) -> Any:
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32
     )
-    nd.shard_model(model, mesh, mp_policy=mp, offload=offload)
+    layers = None  # shard_model's default: the decoder layers, then the root
+    if units == "decoder,ends":  # the embeddings and the head each a unit of their own too
+        ends = (model.get_input_embeddings(), model.get_output_embeddings())
+        layers = [ends[0], *nd.decoder_layers(model), ends[1]]
+    nd.shard_model(model, mesh, mp_policy=mp, offload=offload, layers=layers)
     return model
 
 
@@ -269,8 +274,10 @@ def worker(args: argparse.Namespace) -> None:
     rec: dict[str, Any] = {"side": args.worker, "gpus": world}
     try:
         t0 = time.perf_counter()
-        build = build_nybble if args.worker == "nybble" else build_bnb
-        model = build(args.folder, device, args.offload)
+        if args.worker == "nybble":
+            model = build_nybble(args.folder, device, args.offload, args.units)
+        else:
+            model = build_bnb(args.folder, device, args.offload)
         rec["load_s"] = round(time.perf_counter() - t0, 1)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -355,6 +362,7 @@ def run(
     cmd += [f"--nproc_per_node={gpus}", __file__, "--worker", side, "--folder", str(folder)]
     cmd += ["--seq", str(args.seq), "--steps", str(args.steps), "--shape", args.shape]
     cmd += ["--offload"] if args.offload else []
+    cmd += ["--units", args.units]
     cmd += ["--cpu"] if args.cpu else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 30.0))
@@ -440,6 +448,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048, help="tokens per GPU per step")
     parser.add_argument("--steps", type=int, default=4, help="timed training steps")
     parser.add_argument("--offload", action="store_true", help="FSDP's CPU offload on both sides")
+    parser.add_argument(
+        "--units",
+        default="decoder",
+        choices=["decoder", "decoder,ends"],
+        help="nybble's FSDP2 units besides the root: the decoder layers (shard_model's "
+        "default), or also the embeddings and the head (default: %(default)s)",
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test)")
     parser.add_argument(
         "--work-dir", type=Path, default=None, help="keep (and reuse) the checkpoint here"
@@ -473,7 +488,8 @@ def main() -> None:
                 rec = run(side, gpus, folder, args, deadline - time.monotonic())
                 rec.setdefault("side", side)
                 rec.setdefault("gpus", gpus)
-                if not args.cpu and "error" not in rec:
+                # the estimator models shard_model's default units
+                if not args.cpu and "error" not in rec and args.units == "decoder":
                     rec["estimate"] = estimate(side, gpus, folder, args)
                     estimate_errors(rec)
                 print(json.dumps(rec), flush=True)
@@ -490,6 +506,7 @@ def main() -> None:
         compute_dtype="bfloat16",
         gradient_checkpointing=True,
         offload=args.offload,
+        units=args.units,
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / ("fsdp_cpu_smoke.json" if args.cpu else "fsdp_gpu.json")
