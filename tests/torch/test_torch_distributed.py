@@ -717,11 +717,15 @@ def test_load_sharded_names_what_is_wrong_with_a_4bit_checkpoint(
     def codes_cut(state: dict[str, Any]) -> None:
         state[key] = state[key][:-1].clone()
 
+    def codes_as_int8(state: dict[str, Any]) -> None:  # bytes of another storage dtype
+        state[key] = state[key].view(torch.int8)
+
     cases = [
         (scales_as_float16, FormatError, f"{key}.absmax.*float16"),
         (nan_nested_scale, FormatError, f"{key}.nested_absmax"),
         (fp4, FormatError, "holds NF4 weights; this one is fp4"),
         (codes_cut, FormatError, f"{key}.*bytes"),
+        (codes_as_int8, FormatError, f"{key}.*int8, expected uint8"),
     ]
     for change, error, match in cases:
         _edit(nf4, change)

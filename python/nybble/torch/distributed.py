@@ -324,9 +324,11 @@ class _Checkpoint:
         if key not in self.files:
             raise FormatError(str(self.root), "missing", key)
         view = self._file(key).get_slice(key)
-        known = DTYPES.get(view.get_dtype())
-        dtype = known.numpy if known is not None and known.numpy is not None else None
-        return int(np.prod(view.get_shape())), np.dtype(dtype if dtype is not None else "V1")
+        code = view.get_dtype()
+        known = DTYPES.get(code)
+        if known is None or known.numpy is None:
+            raise FormatError(str(self.root), f"dtype {code}, which has no numpy twin", key)
+        return int(np.prod(view.get_shape())), known.numpy
 
     def close(self) -> None:
         self._open.clear()
@@ -449,7 +451,8 @@ def _read_rows(
     nested = header.nested_offset is not None
     bs = header.blocksize
     layout = Layout(rows, cols, bs, nested, header.nested_offset or 0.0, dtype)
-    k0, k1 = layout.span(a, b)["absmax"]
+    span = layout.span(a, b)
+    k0, k1 = span["absmax"]
     # read whole nested groups, so that the scales read can be checked as they decode
     g = NESTED_BLOCKSIZE if nested else 1
     r0, r1 = k0 // g * g, min(-(-k1 // g) * g, layout.nblocks)
@@ -458,7 +461,6 @@ def _read_rows(
     packed = header.packed(
         ckpt.rows(key, c0, c1), ckpt.rows(f"{key}.absmax", r0, r1), absmax2, (r0, r1)
     )
-    span = layout.span(a, b)
     s0, s1 = (i - c0 for i in span["codes"])
     codes = torch.from_numpy(packed.codes[s0:s1].copy()).to(device)
     absmax2_held = None
