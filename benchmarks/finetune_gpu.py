@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shapes import shapes
+from _shapes import shapes, write_checkpoint
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -54,49 +54,6 @@ def nvml_process_bytes() -> int | None:
     except Exception:  # NVML is optional: the figure is then absent
         return None
     return None
-
-
-def write_checkpoint(name: str, layers: int, directory: Path) -> None:
-    """Random weights (std 0.02, norms 1, biases 0.02·N(0,1)) as a bf16 checkpoint folder."""
-    import ml_dtypes
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    fields = dict(MODELS[name], num_hidden_layers=layers, torch_dtype="bfloat16")
-    h, i = fields["hidden_size"], fields["intermediate_size"]
-    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
-    d = h // heads
-    rng = np.random.default_rng(0)
-
-    def normal(*shape: int) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": normal(fields["vocab_size"], h)}
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        tensors[p + "input_layernorm.weight"] = np.ones(h, ml_dtypes.bfloat16)
-        tensors[p + "post_attention_layernorm.weight"] = np.ones(h, ml_dtypes.bfloat16)
-        for proj, shape in {
-            "self_attn.q_proj": (heads * d, h),
-            "self_attn.k_proj": (kv * d, h),
-            "self_attn.v_proj": (kv * d, h),
-            "self_attn.o_proj": (h, heads * d),
-            "mlp.gate_proj": (i, h),
-            "mlp.up_proj": (i, h),
-            "mlp.down_proj": (h, i),
-        }.items():
-            tensors[p + proj + ".weight"] = normal(*shape)
-            if fields["model_type"] == "qwen2" and proj in (
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-            ):
-                tensors[p + proj + ".bias"] = normal(shape[0])
-    tensors["model.norm.weight"] = np.ones(h, ml_dtypes.bfloat16)
-    tensors["lm_head.weight"] = normal(fields["vocab_size"], h)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(fields, indent=2))
 
 
 def batches(vocab: int, seq: int, count: int) -> list[Any]:
@@ -337,7 +294,8 @@ def main() -> None:
             dir="/dev/shm" if os.path.isdir("/dev/shm") else None
         ) as d:
             folder = Path(d) / name
-            write_checkpoint(name, args.layers, folder)
+            fields = dict(MODELS[name], num_hidden_layers=args.layers, torch_dtype="bfloat16")
+            write_checkpoint(fields, folder)
             for seq in (int(s) for s in args.seqs.split(",") if s):
                 rec: dict[str, Any] = {"model": name, "layers": args.layers, "seq": seq}
                 for side in args.sides.split(","):

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shapes import shapes
+from _shapes import shapes, write_checkpoint
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -85,58 +85,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def write_checkpoint(shape: str, layers: int, directory: Path) -> None:
-    """Random bf16 weights (std 0.02, norms 1), one safetensors file per decoder layer and
-    an index, written a layer at a time."""
-    import torch
-    from safetensors.torch import save_file
-
-    fields = dict(SHAPES[shape], num_hidden_layers=layers, torch_dtype="bfloat16")
-    h, i, d = fields["hidden_size"], fields["intermediate_size"], fields["head_dim"]
-    heads, kv, vocab = (
-        fields["num_attention_heads"],
-        fields["num_key_value_heads"],
-        fields["vocab_size"],
-    )
-    g = torch.Generator().manual_seed(0)
-
-    def normal(*size: int) -> Any:
-        return (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
-
-    def ones(n: int) -> Any:
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    directory.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-
-    def save(name: str, tensors: dict[str, Any]) -> None:
-        save_file(tensors, str(directory / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-
-    save("embed.safetensors", {"model.embed_tokens.weight": normal(vocab, h)})
-    shapes = {
-        "self_attn.q_proj": (heads * d, h),
-        "self_attn.k_proj": (kv * d, h),
-        "self_attn.v_proj": (kv * d, h),
-        "self_attn.o_proj": (h, heads * d),
-        "mlp.gate_proj": (i, h),
-        "mlp.up_proj": (i, h),
-        "mlp.down_proj": (h, i),
-    }
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        tensors = {
-            p + "input_layernorm.weight": ones(h),
-            p + "post_attention_layernorm.weight": ones(h),
-        }
-        tensors.update({p + k + ".weight": normal(*s) for k, s in shapes.items()})
-        save(f"layer-{n:03d}.safetensors", tensors)
-    save("head.safetensors", {"model.norm.weight": ones(h), "lm_head.weight": normal(vocab, h)})
-    index = {"metadata": {}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (directory / "config.json").write_text(json.dumps(fields, indent=2))
 
 
 # --- one configuration, under torchrun ------------------------------------------------------------
@@ -481,7 +429,8 @@ def main() -> None:
         folder = base / f"{args.shape}-{args.layers}"
         if not (folder / "config.json").is_file():  # written last: the checkpoint is whole
             t0 = time.perf_counter()
-            write_checkpoint(args.shape, args.layers, folder)
+            fields = dict(SHAPES[args.shape], num_hidden_layers=args.layers)
+            write_checkpoint(dict(fields, torch_dtype="bfloat16"), folder, per_layer=True)
             print(f"checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
         for gpus in counts:
             for side in sides:

@@ -76,7 +76,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from _shapes import shapes
+from _shapes import shapes, write_checkpoint
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -121,49 +121,6 @@ def scratch_dir(need: int) -> str | None:
     except OSError:
         pass
     return None
-
-
-def write_checkpoint(fields: dict[str, Any], directory: Path) -> None:
-    """Random weights (std 0.02, norms 1) as a bf16 safetensors checkpoint folder."""
-    import torch
-    from safetensors.torch import save_file
-
-    h, i, d = fields["hidden_size"], fields["intermediate_size"], fields["head_dim"]
-    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
-    generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int) -> Any:
-        w = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(0.02)
-        return w.to(torch.bfloat16)
-
-    def ones(n: int) -> Any:
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": normal(fields["vocab_size"], h)}
-    for n in range(fields["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        tensors[p + "input_layernorm.weight"] = ones(h)
-        tensors[p + "post_attention_layernorm.weight"] = ones(h)
-        for proj, shape in {
-            "self_attn.q_proj": (heads * d, h),
-            "self_attn.k_proj": (kv * d, h),
-            "self_attn.v_proj": (kv * d, h),
-            "self_attn.o_proj": (h, heads * d),
-            "mlp.gate_proj": (i, h),
-            "mlp.up_proj": (i, h),
-            "mlp.down_proj": (h, i),
-        }.items():
-            tensors[p + proj + ".weight"] = normal(*shape)
-        if fields["model_type"] == "qwen3":
-            tensors[p + "self_attn.q_norm.weight"] = ones(d)
-            tensors[p + "self_attn.k_norm.weight"] = ones(d)
-    tensors["model.norm.weight"] = ones(h)
-    if not fields["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = normal(fields["vocab_size"], h)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    # config.json last: its presence marks a complete folder (--checkpoint-dir reuses it)
-    (directory / "config.json").write_text(json.dumps(fields, indent=2))
 
 
 # --- the device: everything CUDA-only is here, each call a no-op on the CPU ----------------------
