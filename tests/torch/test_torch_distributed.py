@@ -379,6 +379,47 @@ def test_fsdp_on_one_rank_trains_like_one_process(checkpoint: Path, reference: A
     torch.testing.assert_close(losses, reference[True][0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL"
+)
+def test_fsdp_on_one_gpu_from_float_and_4bit_checkpoints_trains_like_no_fsdp(
+    checkpoint: Path,
+) -> None:
+    """FSDP2 on one GPU (NCCL) over models loaded per rank from the float checkpoint and from
+    the same model stored 4-bit: the same losses, to float32 rounding, as the model loaded
+    whole on the GPU without FSDP (PEFT draws lora_A from the GPU's generator on every path)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+
+    def losses(model: Any) -> list[float]:
+        ids = [b.cuda() for b in batches()]
+        return train(model, ids, None)
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    whole = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        quantization_config=nt.NybbleConfig(double_quant=True),
+        dtype=torch.float32,
+        device_map={"": gpu},
+    )
+    want = losses(peft_model(whole))
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=gpu)
+    got = {}
+    try:
+        mesh = nd.default_mesh()
+        for name, path in (("float", checkpoint), ("4bit", checkpoint / "nf4")):
+            config = nt.NybbleConfig(double_quant=True) if name == "float" else None
+            model = nd.load_sharded(path, mesh, quantization_config=config, dtype=torch.float32)
+            model = peft_model(model)
+            nd.shard_model(model, mesh)
+            got[name] = losses(model)
+    finally:
+        dist.destroy_process_group()
+    assert got["float"] == got["4bit"]  # the same codes and scales, bit for bit
+    torch.testing.assert_close(got["float"], want, rtol=1e-5, atol=1e-5)
+
+
 class _NnAsInOldTorch:
     """torch.nn as FSDP2's `_fsdp_param` module sees it, with `nn.Parameter(data,
     requires_grad=r)` built as torch <= 2.11 builds the sharded parameter: with the default
