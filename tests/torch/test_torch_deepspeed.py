@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -33,6 +32,7 @@ if shutil.which("ninja") is None:
     pytest.skip("DeepSpeed's CPU ops need ninja", allow_module_level=True)
 
 from nybble.torch import distributed as nd  # noqa: E402
+from tests.torch.process_cases import free_port, save_llama  # noqa: E402
 
 WORLD = 2
 ROWS = 2  # sequences per rank and step
@@ -110,29 +110,9 @@ def _worker(rank: int, port: int, path: str, out: str) -> None:
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("llama")
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
+    return save_llama(tmp_path_factory.mktemp("llama"))
 
 
 def test_zero3_partitions_the_4bit_weights_and_trains_like_one_process(
@@ -150,7 +130,7 @@ def test_zero3_partitions_the_4bit_weights_and_trains_like_one_process(
         opt.zero_grad()
         want.append(float(loss.detach()))
 
-    mp.spawn(_worker, args=(_free_port(), str(checkpoint), str(tmp_path)), nprocs=WORLD)
+    mp.spawn(_worker, args=(free_port(), str(checkpoint), str(tmp_path)), nprocs=WORLD)
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "error" not in got, got["error"]

@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 from nybble.torch import distributed as nd  # noqa: E402
 from nybble.torch._packed import NF4Weight  # noqa: E402
 from nybble.torch.linear import StorageDtypeError  # noqa: E402
+from tests.torch.process_cases import free_port, llama_config, save_llama  # noqa: E402
 
 WORLD = 2
 STEPS = 3
@@ -52,20 +52,6 @@ LR = 1e-2
 SEQ = 12
 #: Global batch per step: WORLD ranks x ROWS sequences.
 ROWS = 2
-
-
-def llama_config() -> Any:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    )
 
 
 def batches() -> list[Any]:
@@ -264,18 +250,9 @@ def _worker(rank: int, port: int, path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(llama_config(), dtype=torch.float32)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
+    path = save_llama(tmp_path_factory.mktemp("llama"))
     loaded(path, dq=True).save_pretrained(path / "nf4")  # the same model stored 4-bit
     return path
 
@@ -285,7 +262,7 @@ def runs(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[di
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("runs")
-    mp.spawn(_worker, args=(_free_port(), str(checkpoint), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(checkpoint), str(out)), nprocs=WORLD, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return ranks[0], ranks[1], out
 
