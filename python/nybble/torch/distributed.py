@@ -434,8 +434,7 @@ def _read_rows(
     """Rows [a, b) of the weight `key` stored 4-bit, as stored: its header checked
     (bnb.read_header: FormatError naming the entry), then only the codes and scales of the
     blocks the rows touch read (under double quantization, the nested groups they touch,
-    whose scales are checked too). The layer takes the checkpoint's blocksize and double
-    quantization."""
+    whose scales are checked too), in the checkpoint's blocksize and double quantization."""
     header = bnb.read_header(_Entries(ckpt, key), key, ckpt.info)
     if header.codebook != "nf4":
         raise FormatError(
@@ -470,7 +469,6 @@ def _read_rows(
     else:
         assert packed.absmax is not None
         scales = torch.from_numpy(packed.absmax[k0 - r0 : k1 - r0].copy()).to(device)
-    layer.blocksize, layer.double_quant = bs, nested
     return NF4Weight.from_arrays(layout, codes, scales, absmax2_held, held=(a, b))
 
 
@@ -554,7 +552,9 @@ def load_sharded(
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer._buffers["absmax"] = None
             layer._buffers["absmax2"] = None
-            layer.offset = weight.nf4_layout.offset
+            layout = weight.nf4_layout  # a 4-bit checkpoint's own format
+            layer.blocksize, layer.double_quant = layout.blocksize, layout.double_quant
+            layer.offset = layout.offset
             layer.weight_dtype = dtype
         for pname, param in list(model.named_parameters()):
             if param.device.type != "meta":
