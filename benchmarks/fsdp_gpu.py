@@ -4,7 +4,7 @@ and 4 GPUs, each configuration a fresh `torchrun`.
 
     python3 benchmarks/fsdp_gpu.py [--gpus 1,2,4] [--sides nybble,bnb] [--layers 8]
         [--seq 2048] [--steps 4] [--offload] [--units decoder|decoder,ends] [--work-dir DIR]
-        [--out-dir DIR]
+        [--out-dir DIR] [--profile] [--floor] [--segments]
 
 Model: the Llama-3.1-70B shape (hidden 8192, intermediate 28672, 64 heads, 8 KV heads,
 head_dim 128, vocabulary 128256, llama3 rope) with `--layers` decoder layers (default 8: a
@@ -41,10 +41,17 @@ every rank's and the largest, beside the estimator's figure for the same run
 timings and memory meaningless): a smoke test of the script; the bnb side there needs a
 bitsandbytes with a CPU 4-bit path (0.50.2 has one).
 
-Writes fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu),
-merged with the records of an earlier run of the same configuration there (a record per side
-and GPU count), so that the GPU counts can be run one command at a time. With `--work-dir`
-the checkpoint is kept there and reused by the next command.
+`--profile` adds each rank's kernel time of one more step by kernel family (torch's profiler:
+dense products, attention, communication, 4-bit decoding, other); `--floor` times the step's
+dense bf16 products alone on one GPU (the floor of any implementation computing in bf16);
+`--segments` records where each of the allocator's segments came from (a diagnosis of the
+reserved peak: it slows the run).
+
+Writes fsdp_gpu.json (into benchmarks/results/ by default; fsdp_cpu_smoke.json with --cpu;
+fsdp_gpu_decoder_ends.json with `--units decoder,ends`), merged with the records of an earlier
+run of the same configuration there (a record per side and GPU count), so that the GPU counts
+can be run one command at a time. With `--work-dir` the checkpoint is kept there and reused by
+the next command.
 """
 
 from __future__ import annotations
@@ -220,6 +227,8 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     rec: dict[str, Any] = {"side": args.worker, "gpus": world}
+    if args.segments and not cpu:  # from the start: the cache's segments are made early
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
     try:
         t0 = time.perf_counter()
         if args.worker == "nybble":
@@ -254,7 +263,8 @@ def worker(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             losses.append(step())
             sync()
-            elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            # on the device: NCCL reduces only device tensors
+            elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(float(elapsed))
         memory: dict[str, Any] = {}
@@ -267,6 +277,12 @@ def worker(args: argparse.Namespace) -> None:
                 "peak_allocated": torch.cuda.max_memory_allocated(),
                 "nvml": _nvml_bytes(local),
             }
+        if args.segments and not cpu:
+            memory["segments"] = segment_origins(torch.cuda.memory._snapshot())
+        if args.profile and not cpu:
+            from _timing import kernel_profile
+
+            memory["kernel_profile"] = kernel_profile(lambda: (step(), sync()))
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, memory)
         # FSDP2's parameters are DTensors (numel: the whole tensor's); FSDP1's with
@@ -312,6 +328,8 @@ def run(
     cmd += ["--offload"] if args.offload else []
     cmd += ["--units", args.units]
     cmd += ["--cpu"] if args.cpu else []
+    cmd += ["--profile"] if args.profile else []
+    cmd += ["--segments"] if args.segments else []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 30.0))
     except subprocess.TimeoutExpired:
@@ -346,6 +364,63 @@ def estimate(side: str, gpus: int, folder: Path, args: argparse.Namespace) -> di
         allocated_peak=est.allocated_peak_bytes,
         total=est.total_bytes,
     )
+
+
+def segment_origins(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each segment torch's allocator reserved (cudaMalloc) during the run, in order: its size,
+    its stream and the innermost Python frames that asked for it (to check the estimator's
+    model of the reserved peak against what the engines did)."""
+    out = []
+    for trace in snapshot.get("device_traces", []):
+        for event in trace:
+            if event.get("action") != "segment_alloc":
+                continue
+            frames = [
+                f"{'/'.join(Path(f['filename']).parts[-2:])}:{f['line']}:{f['name']}"
+                for f in event.get("frames", [])
+                if "/torch/utils/" not in f["filename"] and "/torch/autograd/" not in f["filename"]
+            ]
+            out.append(dict(size=event["size"], stream=event["stream"], frames=frames[:6]))
+    return out
+
+
+def gemm_floor(args: argparse.Namespace) -> None:
+    """The step's dense bf16 products alone on one GPU, the floor of any implementation that
+    computes in bf16 what both sides compute: per decoder-layer projection three products of
+    `--seq` tokens (forward, the checkpointed recompute, the input gradient; a frozen base
+    weight has no weight gradient), and two for the head (no recompute). The 4-bit decoding,
+    LoRA, attention, norms, the loss and the communication come on top."""
+    import torch
+
+    fields = SHAPES[args.shape]
+    h, i, d = fields["hidden_size"], fields["intermediate_size"], fields["head_dim"]
+    q, kv = fields["num_attention_heads"] * d, fields["num_key_value_heads"] * d
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    weights = {s: torch.randn(s, **bf16) for s in {*shapes, (fields["vocab_size"], h)}}
+    xs = {n: torch.randn(args.seq, n, **bf16) for n in {h, i, q, kv, fields["vocab_size"]}}
+
+    def products() -> None:
+        for _ in range(args.layers):
+            for out, inp in shapes:
+                w = weights[(out, inp)]
+                for _ in range(2):  # forward and its recompute
+                    xs[inp] @ w.t()
+                xs[out] @ w  # the input gradient
+        head = weights[(fields["vocab_size"], h)]
+        xs[h] @ head.t()
+        xs[fields["vocab_size"]] @ head
+
+    products()
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        products()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    print("RESULT " + json.dumps({"gemm_floor_ms": round(statistics.median(times), 1)}))
 
 
 def estimate_errors(rec: dict[str, Any]) -> None:
@@ -405,6 +480,22 @@ def main() -> None:
     )
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke test)")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="each rank's kernel time of one more step, by kernel family (torch's profiler)",
+    )
+    parser.add_argument(
+        "--segments",
+        action="store_true",
+        help="record where each of the allocator's segments came from (slows the run: a "
+        "diagnosis, not a timing)",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the step's dense bf16 products alone on one GPU (the floor of both sides)",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, default=None, help="keep (and reuse) the checkpoint here"
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -412,6 +503,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "floor":
+        gemm_floor(args)
+        return
     if args.worker:
         worker(args)
         return
@@ -443,6 +537,14 @@ def main() -> None:
                     estimate_errors(rec)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
+    floor = None
+    if args.floor and not args.cpu:  # in a process of its own: the driver stays off the GPUs
+        cmd = [sys.executable, __file__, "--worker", "floor", "--shape", args.shape]
+        cmd += ["--layers", str(args.layers), "--seq", str(args.seq), "--steps", str(args.steps)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        floor = json.loads(lines[0][len("RESULT ") :]) if lines else {"error": p.stderr[-2000:]}
+        print(json.dumps(floor), flush=True)
     config = dict(
         shape=args.shape,
         layers=args.layers,
@@ -458,7 +560,10 @@ def main() -> None:
         units=args.units,
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / ("fsdp_cpu_smoke.json" if args.cpu else "fsdp_gpu.json")
+    name = "fsdp_cpu_smoke" if args.cpu else "fsdp_gpu"
+    if args.units != "decoder":  # another configuration: a file of its own
+        name += "_" + args.units.replace(",", "_")
+    out = args.out_dir / f"{name}.json"
     command = " ".join(["python3", *sys.argv])
     for rec in records:
         rec["command"] = command
@@ -469,6 +574,10 @@ def main() -> None:
             kept = [r for r in earlier.get("records", []) if (r["side"], r["gpus"]) not in done]
             records = sorted(kept + records, key=lambda r: (r["gpus"], r["side"]))
     result = {"config": config, "records": records, "summary": summary(records)}
+    if floor is not None:
+        result["floor"] = floor
+    elif out.is_file() and "floor" in json.loads(out.read_text()):
+        result["floor"] = json.loads(out.read_text())["floor"]
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -160,6 +160,7 @@ def run_nybble(
 ) -> dict[str, Any]:
     import cupy
     from _gpu_memory import PoolPeak
+    from _timing import kernel_profile
 
     t0 = time.perf_counter()
     trainer = nybble_trainer(case)
@@ -188,6 +189,7 @@ def run_nybble(
     )
     if profiled is not None:
         rec["host_profile"] = profiled
+        rec["kernel_profile"] = kernel_profile(lambda: trainer.train_batch(*batches[-1]))
     # transformers loads the same base weights: dequantized, in bfloat16, which bitsandbytes
     # quantizes again on load (to nearly the same codes: bfloat16 rounding aside)
     save_base(trainer.state_dict(), case, weights_dir)

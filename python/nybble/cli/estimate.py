@@ -22,7 +22,8 @@ for the process, and whether it fits on a GPU. The run's allocations are replaye
 simulation of PyTorch's caching allocator, from the model load through the training steps.
 
 Several GPUs (--gpus N): the peak of each GPU under FSDP (the default) or DDP, with the
-same breakdown; modelled from the engines' code, not yet measured (docs/estimator.md).
+same breakdown; modelled from the engines' code, checked against 1- and 2-GPU runs
+(docs/estimator.md).
 
 MODEL is a preset ({presets}),
 a path to a Hugging Face config.json (or its folder), or a Hub id such as Qwen/Qwen3-4B whose

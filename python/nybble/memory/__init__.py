@@ -11,7 +11,7 @@ the figures are checked against measured peaks by the scripts in benchmarks/memo
 
 Several GPUs (`estimate_memory(..., gpus=4, strategy="fsdp")`): each GPU's peak under FSDP or
 DDP, the timeline of one rank with what the engine shards, gathers and reduces (`distributed`;
-modelled, not yet measured).
+checked against 1- and 2-GPU runs).
 """
 
 from .arch import PROJECTIONS, Architecture

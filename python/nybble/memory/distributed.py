@@ -44,16 +44,23 @@ tagged breakdown, with what the engine changes:
 - **offload** (FSDP's CPU offload): the shards, the sharded gradients and the optimizer's
   states live in host memory (`host_parts`); each unshard first copies the rank's shards to
   the GPU, and each sharded gradient is copied back to the host.
-- NCCL's own buffers (`NCCL_WORKSPACE`) are outside torch's allocator: an assumption, counted
-  once per process, to be calibrated by benchmarks/fsdp_gpu.py.
+- NCCL's own buffers (`nccl_workspace`) are outside torch's allocator: measured at one and two
+  GPUs, counted once per process.
 
 Allocations on FSDP's side streams (the all-gather's flat buffers, the reduce-scatter's) are
 replayed on streams of their own, whose cached blocks torch's allocator keeps apart. The
 model load is a low-memory one (each rank holds only its shards when training starts:
 `load_sharded` for nybble, FSDP's `sync_module_states` for bitsandbytes), but for the root's
 unquantized weights and the LoRA parameters, which are made whole on every rank before they
-are sharded. None of this has been measured yet: the figures are written from the engines'
-code and documentation.
+are sharded.
+
+Measured (benchmarks/fsdp_gpu.py, 8 layers of the Llama-3.1-70B shape, 2048 tokens, H200s;
+docs/multi-gpu.md): nybble-torch's reserved and allocated peaks within 0.4% at one and two
+GPUs. peft-bnb's allocated peak within 0.6%, its reserved peak 32-38% under: that run loads
+the whole model on every rank (transformers' `device_map`, with its warm-up block of the
+model's size) and FSDP1 then flattens each unit into new tensors, and its gradients land on
+FSDP1's unshard stream; the cached segments that load leaves are not the low-memory load
+modelled here.
 """
 
 from __future__ import annotations
@@ -78,12 +85,20 @@ from .quant import FLOAT_FORMATS, NESTED_BLOCKSIZE, stored_weight
 from .setup import TrainingSetup, optimizer_states, optimizer_temporaries
 from .timeline import PeftBnbTimeline, Recipe
 
-#: NCCL's memory outside torch's caching allocator, per process: its communicator's buffers
-#: (per channel and peer, `NCCL_BUFFSIZE` 4 MiB for the simple protocol, less for LL and
-#: LL128) and its kernels' module. An assumption (not measured here): calibrate it with
-#: benchmarks/fsdp_gpu.py as NVML's process memory minus `memory_reserved()` minus the
-#: single-GPU outside part. NVLink SHARP (NVLS) buffers, which take more, are not counted.
-NCCL_WORKSPACE = 512 * MiB
+#: NCCL's memory outside torch's caching allocator, per process (its communicators' buffers
+#: and kernels), by the GPUs of the run: measured by benchmarks/fsdp_gpu.py on H200s (torch
+#: 2.11, CUDA 13) as NVML's process memory minus `memory_reserved()` minus the single-GPU
+#: outside part (runtime.py's 742 MiB), the same on both sides: 1318 MiB with one GPU, 1600
+#: with two. More GPUs are not measured: they take the two-GPU figure (a ring has two peers
+#: whatever its size; NVLink SHARP buffers, which take more, are not counted).
+NCCL_WORKSPACE_MEASURED = {1: 576 * MiB, 2: 858 * MiB}
+NCCL_WORKSPACE = NCCL_WORKSPACE_MEASURED[2]
+
+
+def nccl_workspace(gpus: int) -> int:
+    """NCCL's bytes outside the allocator in a process of a run over `gpus` GPUs."""
+    return NCCL_WORKSPACE_MEASURED.get(gpus, NCCL_WORKSPACE)
+
 
 #: DDP's gradient buckets: `bucket_cap_mb` (25 MiB by default) and the first bucket's cap
 #: (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
@@ -320,8 +335,8 @@ def fsdp2_unit(s: TrainingSetup, params: Sequence[Param], what: str) -> Unit:
         u.held.append((rows * p.cols * p.width, p.tag))
         gw = p.gather_width or p.width
         u.sent += rows * p.cols * gw
-        u.copy += rows * p.cols * gw  # MixedPrecisionPolicy(param_dtype): a foreach copy
-        if gw != p.width:
+        if gw != p.width:  # MixedPrecisionPolicy(param_dtype) casts the shard to a new tensor
+            u.copy += rows * p.cols * gw
             u.cast += rows * p.cols * gw
         u.gathered.append(n * rows * p.cols * gw)
         if p.trainable:
@@ -734,8 +749,9 @@ def distributed_notes(s: TrainingSetup, framework: str) -> list[str]:
     notes = [
         f"{engine} over {s.gpus} GPU{'s' if s.gpus > 1 else ''}"
         f"{' with CPU offload' if s.offload else ''}: the figure is per GPU, written from the "
-        "engine's code and not yet measured (benchmarks/fsdp_gpu.py will measure it); NCCL's "
-        f"buffers are an assumed {NCCL_WORKSPACE >> 20} MiB"
+        "engine's code and checked against 1- and 2-GPU runs (docs/multi-gpu.md); NCCL's "
+        f"buffers {nccl_workspace(s.gpus) >> 20} MiB"
+        f"{' (as measured)' if s.gpus in NCCL_WORKSPACE_MEASURED else ' (the 2-GPU figure)'}"
     ]
     if s.strategy == "fsdp" and framework == "peft-bnb":
         notes.append(
@@ -768,6 +784,7 @@ __all__ = [
     "ENGINES",
     "FSDP1_ALIGN",
     "NCCL_WORKSPACE",
+    "NCCL_WORKSPACE_MEASURED",
     "REDUCE_WIDTH",
     "DdpTimeline",
     "FsdpTimeline",
@@ -783,6 +800,7 @@ __all__ = [
     "fsdp2_unit",
     "host_parts",
     "layer_params",
+    "nccl_workspace",
     "nf4_shard",
     "nybble_torch_recipe",
     "peft_bnb_recipe",

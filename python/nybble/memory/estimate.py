@@ -520,7 +520,7 @@ def estimate_memory(
     name such as "rtx4090" or a size such as "24GB"): `fits()`, `max_batch()` and the others
     then need no argument, and `to_dict()` says whether it fits.
 
-    Several GPUs (docs/estimator.md, "Several GPUs"; modelled, not yet measured): `gpus` GPUs
+    Several GPUs (docs/estimator.md, "Several GPUs"; checked on 1 and 2 GPUs): `gpus` GPUs
     spread by `strategy`, "fsdp" (the default when gpus > 1 or offload: FSDP2 for
     "nybble-torch", FSDP1 with a storage dtype for "peft-bnb") or "ddp" (a whole replica on
     each); `offload`: FSDP's CPU offload (host memory in `host_bytes`). The estimate is then
