@@ -24,7 +24,9 @@ process's total from NVML after it.
 `--sides nybble` leaves out transformers (a before/after comparison of nybble alone, run with
 each version's package on PYTHONPATH); `--profile` adds where one steady step of nybble's
 spends its host time (cProfile, the functions of largest own time; the wait for the GPU shows
-as the time of the call that reads the loss).
+as the time of the call that reads the loss) and its kernels' time (torch's profiler, where
+torch is installed: the sum, the launches and the kernels of most time), to tell a slower
+kernel from a longer wait between kernels.
 
 Writes train_gpu.json (into benchmarks/results/ by default).
 """
