@@ -23,7 +23,8 @@ every rank's and the largest, beside the estimator's figure for the same run
   weight), PEFT with `register_lora`, `shard_model` (FSDP2's `fully_shard` per decoder layer
   and the root; the 4-bit weights all-gathered as 4-bit data), `MixedPrecisionPolicy(
   param_dtype=bf16, reduce_dtype=fp32)` for the float32 LoRA parameters; `--offload` adds
-  FSDP2's CPUOffloadPolicy.
+  FSDP2's CPUOffloadPolicy; `--units decoder,ends` is `shard_model(...,
+  embedding_units=True)` (the embeddings and the head units of their own).
 - bnb: the published FSDP-QLoRA recipe: `BitsAndBytesConfig(load_in_4bit, nf4, double
   quant, bnb_4bit_compute_dtype=bf16, bnb_4bit_quant_storage=bf16)` loaded in bf16 by every
   rank, PEFT's LoRA, FSDP1 (`FullyShardedDataParallel`: one unit per decoder layer,
@@ -147,11 +148,9 @@ def build_nybble(folder: Path, device: Any, offload: bool, units: str = "decoder
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if device.type == "cuda" else None, reduce_dtype=torch.float32
     )
-    layers = None  # shard_model's default: the decoder layers, then the root
-    if units == "decoder,ends":  # the embeddings and the head each a unit of their own too
-        ends = (model.get_input_embeddings(), model.get_output_embeddings())
-        layers = [ends[0], *nd.decoder_layers(model), ends[1]]
-    nd.shard_model(model, mesh, mp_policy=mp, offload=offload, layers=layers)
+    # the decoder layers and the root; "decoder,ends": the embeddings and the head too
+    ends = units == "decoder,ends"
+    nd.shard_model(model, mesh, mp_policy=mp, offload=offload, embedding_units=ends)
     return model
 
 
@@ -356,6 +355,7 @@ def estimate(side: str, gpus: int, folder: Path, args: argparse.Namespace) -> di
             gpus=gpus,
             strategy="fsdp",
             offload=args.offload,
+            embedding_units=args.units == "decoder,ends",
         )
     except (KeyError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
@@ -531,8 +531,7 @@ def main() -> None:
                 rec = run(side, gpus, folder, args, deadline - time.monotonic())
                 rec.setdefault("side", side)
                 rec.setdefault("gpus", gpus)
-                # the estimator models shard_model's default units
-                if not args.cpu and "error" not in rec and args.units == "decoder":
+                if not args.cpu and "error" not in rec:
                     rec["estimate"] = estimate(side, gpus, folder, args)
                     estimate_errors(rec)
                 print(json.dumps(rec), flush=True)

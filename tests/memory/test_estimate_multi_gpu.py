@@ -10,6 +10,7 @@ computed itself, and the estimate against the peaks measured on H200s at one and
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -445,3 +446,61 @@ def test_fsdp_estimate_is_within_5_percent_of_the_measured_peaks(run: dict[str, 
     if nybble:
         assert est.reserved_peak_bytes == pytest.approx(run["peak_reserved"], rel=0.05)
         assert est.total_bytes == pytest.approx(run["nvml"], rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "run", MEASURED_FSDP["embedding_units_runs"], ids=lambda r: f"{r['gpus']}gpu"
+)
+def test_embedding_units_estimate_against_the_measured_peaks(run: dict[str, Any]) -> None:
+    """shard_model(..., embedding_units=True): the allocated peak within 5% (measured: 0.4%);
+    the reserved peak over, not under (measured: +12.6% at one GPU, +9.1% at two: how the
+    allocator reuses the load's cached segments there is not traced yet; docs/estimator.md)."""
+    est = estimate_memory(
+        dict(LLAMA_70B, num_hidden_layers=MEASURED_FSDP["config"]["layers"]),
+        framework="nybble-torch",
+        lora_r=R,
+        seq_len=MEASURED_FSDP["config"]["seq"],
+        gpus=run["gpus"],
+        strategy="fsdp",
+        embedding_units=True,
+    )
+    assert est.allocated_peak_bytes == pytest.approx(run["peak_allocated"], rel=0.05)
+    assert 1.0 <= est.reserved_peak_bytes / run["peak_reserved"] <= 1.15
+
+
+def test_embedding_units_gather_one_end_at_a_time() -> None:
+    """The embeddings and the head are gathered only around their own forward and backward
+    (at the peak: the head's all-gather output and its unsharded copy, no embeddings); the
+    default's root holds both, and in its backward their all-gather output beside them."""
+    kw: dict[str, Any] = dict(seq_len=256, framework="nybble-torch", gpus=2, strategy="fsdp")
+    default = estimate_memory(SHORT_70B, **kw)
+    ends = estimate_memory(SHORT_70B, embedding_units=True, **kw)
+    head = 2 * V * H  # one of them, gathered whole in bf16
+    assert default.breakdown[GATHERED_PARAMS] >= 4 * head
+    assert 2 * head <= ends.breakdown[GATHERED_PARAMS] < 2.01 * head
+    assert ends.allocated_peak_bytes < default.allocated_peak_bytes
+    for part in (QUANTIZED_WEIGHTS, UNQUANTIZED_WEIGHTS, LORA_PARAMS, OPTIMIZER_STATES):
+        assert ends.breakdown[part] == default.breakdown[part]  # the same shards
+    assert ends.to_dict()["settings"]["embedding_units"] is True
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(gpus=2, strategy="ddp", framework="nybble-torch"), "strategy='fsdp'"),
+        (dict(gpus=2, framework="peft-bnb"), "shard_model's"),
+        (dict(gpus=2, framework="nybble-torch", model="qwen3-0.6b"), "tie_word_embeddings"),
+        (dict(gpus=2, framework="nybble-torch", embedding_units="yes"), "True or False"),
+    ],
+)
+def test_embedding_units_bad_input_is_named(kw: dict[str, Any], named: str) -> None:
+    model = kw.pop("model", SHORT_70B)
+    kw.setdefault("embedding_units", True)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        estimate_memory(model, seq_len=256, **kw)
+
+
+def test_cli_embedding_units(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "llama-3.1-70b", "--gpus", "2", "--framework", "nybble-torch"]
+    assert main([*args, "--seq-len", "256", "--embedding-units"]) == 0
+    assert "embeddings as units" in capsys.readouterr().out

@@ -164,6 +164,15 @@ def _fsdp_offload(rank: int, path: Path, out: Path) -> dict[str, Any]:
     return {"losses": train(model, batches(), rank)}
 
 
+def _fsdp_embedding_units(rank: int, path: Path, out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    model = peft_model(loaded(path, dq=False))
+    nd.shard_model(model, embedding_units=True)
+    units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return {"losses": train(model, batches(), rank), "units": units}
+
+
 def _fsdp_mixed_precision(rank: int, path: Path, out: Path) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -225,6 +234,7 @@ RUNS = {
     "fsdp_dq": _fsdp_sharded_load,
     "fsdp_4bit": _fsdp_from_4bit,
     "fsdp_offload": _fsdp_offload,
+    "fsdp_ends": _fsdp_embedding_units,
     "fsdp_mp": _fsdp_mixed_precision,
     "ddp": _ddp,
     "fsdp1": _fsdp1,
@@ -331,6 +341,37 @@ def test_fsdp_with_cpu_offload_trains_like_one_process(runs: Any, reference: Any
     for res in runs[:2]:
         info = _ok(res["fsdp_offload"])
         torch.testing.assert_close(info["losses"], reference[False][0], rtol=1e-5, atol=1e-5)
+
+
+def test_fsdp_with_embedding_units_trains_like_one_process(runs: Any, reference: Any) -> None:
+    for res in runs[:2]:
+        info = _ok(res["fsdp_ends"])
+        torch.testing.assert_close(info["losses"], reference[False][0], rtol=1e-5, atol=1e-5)
+        inner = "base_model.model."
+        assert info["units"] == [
+            "",
+            inner + "model.embed_tokens",
+            inner + "model.layers.0",
+            inner + "model.layers.1",
+            inner + "lm_head",
+        ]
+
+
+def test_embedding_units_refuse_tied_or_missing_embeddings() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    config = llama_config()
+    config.tie_word_embeddings = True
+    tied = transformers.AutoModelForCausalLM.from_config(config)
+    assert tied.get_input_embeddings().weight is tied.get_output_embeddings().weight
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="share their weight"):
+            nd.shard_model(tied, embedding_units=True)
+        with pytest.raises(ValueError, match="input and output embeddings"):
+            nd.shard_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), embedding_units=True)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fsdp_mixed_precision_computes_lora_in_bfloat16(runs: Any, reference: Any) -> None:

@@ -185,6 +185,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(reported apart)",
     )
     p.add_argument(
+        "--embedding-units",
+        action="store_true",
+        help="FSDP2 with the embeddings and the head as units of their own "
+        "(shard_model(..., embedding_units=True); framework nybble-torch)",
+    )
+    p.add_argument(
         "--loop",
         default="plain",
         choices=LOOPS,
@@ -256,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         gpus=_gpus(args.gpus),  # type: ignore[arg-type]  # a bad one is named by the estimate
         strategy=args.strategy,
         offload=args.offload,
+        embedding_units=args.embedding_units,
     )
     report: dict[str, Any] = est.to_dict()
     if est.gpu is not None:
@@ -317,7 +324,9 @@ def render(est: MemoryEstimate, report: dict[str, Any]) -> str:
     if s.distributed:
         head += (
             f"\n{s.gpus} GPU{'s' if s.gpus > 1 else ''}, strategy {s.strategy}"
-            f"{', CPU offload' if s.offload else ''}: every figure below is one GPU's"
+            f"{', CPU offload' if s.offload else ''}"
+            f"{', embeddings as units' if s.embedding_units else ''}: every figure below is "
+            "one GPU's"
         )
     rows: list[list[Any]] = []
     for key in BREAKDOWN_KEYS:

@@ -114,6 +114,10 @@ REDUCE_WIDTH = 4
 #: The replay's streams: FSDP's all-gathers and reduce-scatters allocate on their own.
 DEFAULT_STREAM, GATHER_STREAM, REDUCE_STREAM = 0, 1, 2
 
+#: The timeline's keys of the units that are not decoder layers: the root, and with
+#: `embedding_units` the input and the output embeddings.
+ROOT, EMBEDDINGS, HEAD = -1, -2, -3
+
 #: The engine behind each strategy, per framework.
 ENGINES = {
     ("nybble-torch", "fsdp"): "FSDP2 (fully_shard per decoder layer and the root)",
@@ -469,8 +473,19 @@ class FsdpTimeline(PeftBnbTimeline):
         self.no_shard = not fsdp2 and s.gpus == 1
         self._units: dict[tuple[Param, ...], Unit] = {}
         self.units = [self._unit(layer) for layer in range(s.arch.num_layers)]
-        self.root = self._unit(None)
-        self.unsharded: dict[int, list[int]] = {}  # unit (-1: the root) -> its gathered tensors
+        #: with `embedding_units` (FSDP2), the embeddings and the head are units of their own
+        #: and the root keeps the final norm
+        self.ends: dict[int, Unit] = {}
+        if s.embedding_units:
+            embeddings, norm, head = root_params(s, recipe)
+            self.root = fsdp2_unit(s, [norm], "the root")
+            self.ends = {
+                EMBEDDINGS: fsdp2_unit(s, [embeddings], "the input embeddings"),
+                HEAD: fsdp2_unit(s, [head], "the output embeddings"),
+            }
+        else:
+            self.root = self._unit(None)
+        self.unsharded: dict[int, list[int]] = {}  # unit (ROOT, ...) -> its gathered tensors
         self.unsharded_next: list[int] = []  # FSDP1: what the last all-gather made
         self.deferred: int | None = None  # FSDP2: a forward all-gather's output, kept a while
         self.prefetched: tuple[int, int | None] | None = None  # FSDP2: (unit, its output)
@@ -496,10 +511,12 @@ class FsdpTimeline(PeftBnbTimeline):
         return self._units[key]
 
     def _unit_of(self, key: int) -> Unit:
-        return self.root if key < 0 else self.units[key]
+        if key >= 0:
+            return self.units[key]
+        return self.root if key == ROOT else self.ends[key]
 
     def _all(self) -> list[Unit]:
-        return [*self.units, self.root]
+        return [*self.units, self.root, *self.ends.values()]
 
     # --- at rest ----------------------------------------------------------------------
 
@@ -526,8 +543,9 @@ class FsdpTimeline(PeftBnbTimeline):
                         tp.new(nbytes, tag)
             tp.free(*keys)
         if not off:
-            for nbytes, tag in self.root.held:
-                tp.new(nbytes, tag)
+            for u in (self.root, *self.ends.values()):
+                for nbytes, tag in u.held:
+                    tp.new(nbytes, tag)
         tp.free(*whole)
         if self.loop == "benchmark":
             for _ in range(3):  # input_ids, attention_mask, labels: made once, kept
@@ -578,7 +596,7 @@ class FsdpTimeline(PeftBnbTimeline):
             tp.free(out)
 
     def _gather(self, key: int, forward: bool) -> None:
-        """Unit `key` (a layer, or -1 for the root) unsharded, unless it is already (or
+        """Unit `key` (a layer, ROOT, EMBEDDINGS or HEAD) unsharded, unless it is already (or
         prefetched: then only copied out)."""
         if key in self.unsharded or (self.no_shard and not self.s.offload):
             return
@@ -592,11 +610,11 @@ class FsdpTimeline(PeftBnbTimeline):
     def _prefetch(self, key: int) -> None:
         """Unit `key`'s all-gather issued ahead, in backward (FSDP2 copies it out at the
         unit's own pre-backward; FSDP1's lands in the unit's flat parameter at once)."""
-        if key < 0 or key in self.unsharded or self.prefetched:
+        if key == ROOT or key in self.unsharded or self.prefetched:
             return
         if self.no_shard and not self.s.offload:
             return
-        out = self._all_gather(self.units[key])
+        out = self._all_gather(self._unit_of(key))
         if self.fsdp2:
             self.prefetched = (key, out)
         else:
@@ -611,7 +629,24 @@ class FsdpTimeline(PeftBnbTimeline):
     # --- the hooks of the step -----------------------------------------------------------
 
     def _forward_begins(self) -> None:
-        self._gather(-1, forward=True)
+        self._gather(ROOT, forward=True)
+
+    def _embeddings_begin(self) -> None:
+        if EMBEDDINGS in self.ends:
+            self._gather(EMBEDDINGS, forward=True)
+
+    def _embeddings_end(self) -> None:
+        self._reshard(EMBEDDINGS)
+
+    def _head_begins(self, forward: bool) -> None:
+        """The head's pre-forward, or its pre-backward (which prefetches the last layer)."""
+        if HEAD in self.ends:
+            self._gather(HEAD, forward=forward)
+            if not forward:
+                self._prefetch(len(self.units) - 1)
+
+    def _head_ends(self) -> None:
+        self._reshard(HEAD)  # frozen: no gradient to reduce
 
     def _layer_forward_begins(self, layer: int) -> None:
         self._gather(layer, forward=True)
@@ -624,15 +659,15 @@ class FsdpTimeline(PeftBnbTimeline):
         forward) frees the root's unsharded tensors and the last all-gather's output; FSDP1
         keeps its root gathered for the backward."""
         if self.fsdp2:
-            self._reshard(-1)
+            self._reshard(ROOT)
             self.tape.free(self.deferred)
             self.deferred = None
 
     def _backward_begins(self) -> None:
-        """The root's pre-backward: it is gathered again (FSDP2) and prefetches the last
-        layer."""
-        self._gather(-1, forward=False)
-        self._prefetch(len(self.units) - 1)
+        """The root's pre-backward: it is gathered again (FSDP2) and prefetches the unit
+        whose backward comes first: the head with `embedding_units`, else the last layer."""
+        self._gather(ROOT, forward=False)
+        self._prefetch(HEAD if HEAD in self.ends else len(self.units) - 1)
 
     def _layer_backward_begins(self, layer: int) -> None:
         self._gather(layer, forward=False)
@@ -677,7 +712,7 @@ class FsdpTimeline(PeftBnbTimeline):
             self.sharded_grads.append(out)
 
     def _backward_ends(self) -> None:
-        self._reshard(-1)
+        self._reshard(ROOT)
         tp = self.tape
         tp.free(self.deferred, self.reduce_in)
         self.deferred = self.reduce_in = None
@@ -733,6 +768,11 @@ def check_supported(s: TrainingSetup, framework: str) -> None:
         raise ValueError(
             f"framework 'nybble-torch' (nybble's torch layer) quantizes to nf4 only, got "
             f"quant={s.quant!r}"
+        )
+    if s.embedding_units and framework != "nybble-torch":
+        raise ValueError(
+            "embedding_units is shard_model's (framework 'nybble-torch'); the FSDP1 recipe of "
+            f"framework {framework!r} wraps the decoder layers only"
         )
     if s.strategy == "fsdp" and s.quant not in ("nf4", "fp4"):
         raise ValueError(

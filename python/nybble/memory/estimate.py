@@ -150,7 +150,8 @@ class MemoryEstimate:
 
     def suggestions(self, gpu: GpuLike | None = None) -> list[Suggestion]:
         """When the setup does not fit: single changes that make it fit, the smallest first
-        (checkpointing, double quantization; under FSDP, CPU offload and twice the GPUs; a
+        (checkpointing, double quantization; under FSDP, the embeddings as units of their own,
+        CPU offload and twice the GPUs; a
         smaller batch, a shorter sequence, a lower LoRA rank); if none does, checkpointing,
         double quantization and batch 1 with the longest sequence that fits. Empty when it
         fits already, or when nothing makes it fit."""
@@ -180,6 +181,14 @@ class MemoryEstimate:
         if s.quantized and not s.double_quant:
             attempt("double_quant", True, "use double quantization", double_quant=True)
         if s.strategy == "fsdp":  # several GPUs: the engine's own ways to hold less
+            if self.framework == "nybble-torch" and not s.embedding_units and s.arch.lm_head_params:
+                attempt(
+                    "embedding_units",
+                    True,
+                    "shard the embeddings and the head as FSDP units of their own "
+                    "(shard_model(..., embedding_units=True))",
+                    embedding_units=True,
+                )
             if not s.offload:
                 attempt(
                     "offload",
@@ -317,6 +326,7 @@ class MemoryEstimate:
                 gpus=s.gpus,
                 strategy=s.strategy,
                 offload=s.offload,
+                embedding_units=s.embedding_units,
             ),
             parameters=s.arch.num_parameters,
             lora_parameters=s.lora_parameters,
@@ -505,6 +515,7 @@ def estimate_memory(
     gpus: int = 1,
     strategy: str | None = None,
     offload: bool = False,
+    embedding_units: bool = False,
 ) -> MemoryEstimate:
     """GPU memory of a steady (Q)LoRA training step (docs/estimator.md).
 
@@ -523,7 +534,9 @@ def estimate_memory(
     Several GPUs (docs/estimator.md, "Several GPUs"; checked on 1 and 2 GPUs): `gpus` GPUs
     spread by `strategy`, "fsdp" (the default when gpus > 1 or offload: FSDP2 for
     "nybble-torch", FSDP1 with a storage dtype for "peft-bnb") or "ddp" (a whole replica on
-    each); `offload`: FSDP's CPU offload (host memory in `host_bytes`). The estimate is then
+    each); `offload`: FSDP's CPU offload (host memory in `host_bytes`); `embedding_units`:
+    FSDP2 with the embeddings and the head as units of their own (`shard_model(...,
+    embedding_units=True)`; framework "nybble-torch"). The estimate is then
     per GPU, with the same breakdown (plus the gathered parameters, the communication buffers
     and NCCL's workspace) and the same verdicts for one GPU of that size. framework="nybble"
     (nybble's own trainer) runs on one GPU only. Given a strategy, one GPU is that runtime on
@@ -549,6 +562,7 @@ def estimate_memory(
         gpus=gpus,
         strategy=strategy,
         offload=offload,
+        embedding_units=embedding_units,
     )
     spec = None if gpu is None else (gpu if isinstance(gpu, GpuSpec) else resolve_gpu(gpu))
     outside = None if context is None else parse_bytes(context, "context", minimum=0)

@@ -221,6 +221,22 @@ def parallelism(gpus: Any, strategy: Any, offload: Any) -> tuple[int, str | None
     return n, key, off
 
 
+def _embedding_units(value: Any, strategy: str | None, arch: Architecture) -> bool:
+    """`embedding_units` checked: FSDP's, and for a model whose embeddings are not tied."""
+    units = _flag(value, "embedding_units")
+    if units and strategy != "fsdp":
+        raise ValueError(
+            f"embedding_units makes the embeddings FSDP units of their own: it needs "
+            f"strategy='fsdp' (got {strategy!r})"
+        )
+    if units and not arch.lm_head_params:
+        raise ValueError(
+            "embedding_units: the model's input and output embeddings share their weight "
+            "(tie_word_embeddings), which two FSDP units cannot"
+        )
+    return units
+
+
 def _flag(value: Any, name: str) -> bool:
     """True or False (numpy's too); anything else is refused rather than read by its truth:
     "no" and "false" are true."""
@@ -266,6 +282,9 @@ class TrainingSetup:
     gpus: int = 1
     strategy: str | None = None
     offload: bool = False
+    #: FSDP2 with the input and output embeddings as units of their own (`shard_model(...,
+    #: embedding_units=True)`)
+    embedding_units: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -348,6 +367,7 @@ class TrainingSetup:
         gpus: int = 1,
         strategy: str | None = None,
         offload: bool = False,
+        embedding_units: bool = False,
     ) -> TrainingSetup:
         arch = resolve_model(model)
         if arch.num_layers > MAX_LAYERS:
@@ -408,6 +428,7 @@ class TrainingSetup:
             gpus=n_gpus,
             strategy=strat,
             offload=off,
+            embedding_units=_embedding_units(embedding_units, strat, arch),
         )
 
     def with_(self, **changes: Any) -> TrainingSetup:
@@ -427,4 +448,10 @@ class TrainingSetup:
                 changes.get("offload", self.offload),
             )
             changes.update(gpus=gpus, strategy=strategy, offload=offload)
+        if {"embedding_units", "strategy"} & set(changes):
+            changes["embedding_units"] = _embedding_units(
+                changes.get("embedding_units", self.embedding_units),
+                changes.get("strategy", self.strategy),
+                self.arch,
+            )
         return replace(self, **changes)

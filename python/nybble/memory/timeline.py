@@ -943,7 +943,9 @@ class PeftBnbTimeline:
             self.input_ids = ids
         self._forward_begins()
         self.cache: list[int] = []
+        self._embeddings_begin()
         x = tp.new(e * t * h)  # embedding output
+        self._embeddings_end()
         self._workspace(0)  # the rotary embedding's matmul is the forward's first
         rope = self._rotary_tables()
         inputs, saved = [x], []
@@ -960,8 +962,13 @@ class PeftBnbTimeline:
             tp.free(x)  # the embedding output: no layer saved it, the model returns
         tp.phase("loss")
         tp.tag = LOGITS_LOSS
+        self._head_begins(forward=True)
         head_out = tp.new(e * t * v) if self.recipe.cast_logits else None
+        if head_out is not None:  # the head's output, cast to float32 by the loss
+            self._head_ends()
         logits = tp.new(4 * t * v)
+        if head_out is None:
+            self._head_ends()
         tp.temp(8 * t)  # padded labels
         shifted = tp.new(8 * t)
         logp = tp.new(4 * t * v)
@@ -982,9 +989,11 @@ class PeftBnbTimeline:
             gb = tp.new(e * t * v, LOGITS_LOSS)
             tp.free(glogits)
             glogits = gb
+        self._head_begins(forward=False)
         gxf = tp.new((e if self.recipe.cast_logits else 4) * t * h)
         self._workspace(1)
         tp.free(glogits)
+        self._head_ends()
         tp.phase("backward")
         g = self._rmsnorm_backward(gxf, h, t, final_sv, "final", free_g=True)
         tp.free(last)
@@ -1021,6 +1030,18 @@ class PeftBnbTimeline:
         return tables
 
     # --- what a distributed runtime adds (memory.distributed): nothing on one GPU ----------
+
+    def _embeddings_begin(self) -> None:
+        """The input embeddings' forward begins."""
+
+    def _embeddings_end(self) -> None:
+        """The input embeddings' forward has returned."""
+
+    def _head_begins(self, forward: bool) -> None:
+        """The head's forward (or its backward) begins."""
+
+    def _head_ends(self) -> None:
+        """The head's forward (or its backward) has returned."""
 
     def _forward_begins(self) -> None:
         """The model is called (after the step's input ids exist)."""

@@ -104,11 +104,19 @@ def shard_model(
     pin_memory: bool = True,
     reshard_after_forward: bool = True,
     layers: Iterable[nn.Module] | Callable[[nn.Module], bool] | None = None,
+    embedding_units: bool = False,
 ) -> nn.Module:
     """FSDP2 over `model` (a transformers model, with or without PEFT's LoRA): every nybble
     `Linear4bit` is packed into an `NF4Weight` (sharded by rows, gathered as 4-bit data), then
     `fully_shard` is applied to each decoder layer (`layers`: modules, or a predicate; default
     `decoder_layers(model)`) and to the root. Returns `model` (sharded in place).
+
+    embedding_units  the input and output embeddings (the embedding table and the head) as
+                 units of their own too, gathered only around their own forward and backward
+                 instead of with the root from the first layer to the loss: less memory
+                 (measured on the Llama-3.1-70B shape: 28% less reserved at one GPU, 25% at
+                 two), a slightly slower step (2-10%); refused for tied embeddings, which
+                 two units cannot share (docs/multi-gpu.md)
 
     mesh         a 1-D DeviceMesh (default: every rank, `default_mesh()`)
     mp_policy    FSDP's `MixedPrecisionPolicy`, e.g. `MixedPrecisionPolicy(param_dtype=
@@ -125,6 +133,7 @@ def shard_model(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     _require_distributed()
+    ends = _embedding_modules(model) if embedding_units else ()
     mesh = mesh if mesh is not None else default_mesh()
     if mesh.ndim != 1:
         raise ValueError(f"shard_model takes a 1-D device mesh, got {mesh.ndim} dimensions")
@@ -157,11 +166,34 @@ def shard_model(
         blocks = [m for m in model.modules() if layers(m)]
     else:
         blocks = list(layers)
+    if ends:
+        blocks = [ends[0], *blocks, ends[1]]
     with _integer_parameters_frozen_by_default():
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     return model
+
+
+def _embedding_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The model's input and output embeddings, which must hold no parameter in common."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    first = get_in() if callable(get_in) else None
+    last = get_out() if callable(get_out) else None
+    if not isinstance(first, nn.Module) or not isinstance(last, nn.Module):
+        raise ValueError(
+            "embedding_units=True needs a model with input and output embeddings "
+            f"(get_input_embeddings / get_output_embeddings); {type(model).__name__} has "
+            f"{'none' if first is None and last is None else 'one of them only'}"
+        )
+    shared = {id(p) for p in first.parameters()} & {id(p) for p in last.parameters()}
+    if shared:
+        raise ValueError(
+            "embedding_units=True: the input and output embeddings share their weight "
+            "(tie_word_embeddings), which two FSDP units cannot; leave them with the root"
+        )
+    return first, last
 
 
 _OMITTED: Any = object()
