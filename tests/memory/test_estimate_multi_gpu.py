@@ -504,3 +504,13 @@ def test_cli_embedding_units(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["estimate", "llama-3.1-70b", "--gpus", "2", "--framework", "nybble-torch"]
     assert main([*args, "--seq-len", "256", "--embedding-units"]) == 0
     assert "embeddings as units" in capsys.readouterr().out
+
+
+def test_embedding_units_are_suggested_when_a_sharded_run_does_not_fit() -> None:
+    kw: dict[str, Any] = dict(seq_len=256, framework="nybble-torch", gpus=2)
+    need = estimate_memory(SHORT_70B, embedding_units=True, **kw).required_bytes
+    est = estimate_memory(SHORT_70B, gpu=need + 64 * MiB, **kw)  # fits only with them
+    assert not est.fits()
+    offered = {s.setting: s for s in est.suggestions()}
+    assert offered["embedding_units"].value is True
+    assert offered["embedding_units"].total_bytes < est.total_bytes
