@@ -26,9 +26,10 @@ import zlib
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import backends, formats
-from ..backends import Backend
+from ..backends import Array, Backend
 from ..errors import NonFiniteError
 from ..formats import OutputDtype, Packed
 from ..tensor import NF4Tensor, quantize
@@ -40,24 +41,24 @@ class _CallState(threading.local):
     """One thread's forward/backward state."""
 
     cache: dict[str, Any] | None = None
-    grad_a: Any = None
-    grad_b: Any = None
-    grad_magnitude: Any = None
+    grad_a: Array | None = None
+    grad_b: Array | None = None
+    grad_magnitude: Array | None = None
 
 
 class DenseBase:
     """A frozen dense weight W [out, in] (possibly a transposed view of the stored array)."""
 
-    def __init__(self, w: Any, backend: Backend) -> None:
+    def __init__(self, w: Array, backend: Backend) -> None:
         self.w = w
         self.backend = backend
-        self._casts: dict[str, Any] = {}  # W in a 16-bit activation dtype, made once
+        self._casts: dict[str, Array] = {}  # W in a 16-bit activation dtype, made once
 
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.w.shape[0]), int(self.w.shape[1]))
 
-    def _as(self, dtype: Any) -> Any:
+    def _as(self, dtype: DTypeLike) -> Array:
         if dtype == self.w.dtype:
             return self.w
         name = formats.dtype_name(dtype)
@@ -66,19 +67,19 @@ class DenseBase:
             cast = self._casts[name] = self.w.astype(dtype)
         return cast
 
-    def forward(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+    def forward(self, x: Array, out: Array | None = None, accumulate: bool = False) -> Array:
         """x @ Wᵀ (into `out`, or added to it)"""
         return self.backend.matmul(x, self._as(x.dtype).T, out=out, accumulate=accumulate)
 
-    def backward(self, dy: Any, out: Any = None, accumulate: bool = False) -> Any:
+    def backward(self, dy: Array, out: Array | None = None, accumulate: bool = False) -> Array:
         """dy @ W (into `out`, or added to it)"""
         return self.backend.matmul(dy, self._as(dy.dtype), out=out, accumulate=accumulate)
 
-    def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
+    def row_norms(self, b: Array, a: Array, scaling: float) -> Array:
         """||W + s·B·A|| per row."""
         return self.backend.dora_row_norms(self.w, b, a, scaling)
 
-    def dense(self) -> Any:
+    def dense(self) -> Array:
         return self.w
 
     def changed(self) -> None:
@@ -99,16 +100,16 @@ class QuantBase:
     def shape(self) -> tuple[int, int]:
         return (int(self.q.shape[0]), int(self.q.shape[1]))
 
-    def forward(self, x: Any, out: Any = None, accumulate: bool = False) -> Any:
+    def forward(self, x: Array, out: Array | None = None, accumulate: bool = False) -> Array:
         return self.backend.quantized_matmul(x, self.packed, True, out, accumulate)
 
-    def backward(self, dy: Any, out: Any = None, accumulate: bool = False) -> Any:
+    def backward(self, dy: Array, out: Array | None = None, accumulate: bool = False) -> Array:
         return self.backend.quantized_matmul(dy, self.packed, False, out, accumulate)
 
-    def row_norms(self, b: Any, a: Any, scaling: float) -> Any:
+    def row_norms(self, b: Array, a: Array, scaling: float) -> Array:
         return self.backend.dora_row_norms(self.packed, b, a, scaling)
 
-    def dense(self) -> Any:
+    def dense(self) -> Array:
         return self.q.dequantize("float32")
 
     def changed(self) -> None:
@@ -123,7 +124,7 @@ def _check_config(config: object) -> None:
         )
 
 
-def _float_matrix(w: Any, what: str) -> Any:
+def _float_matrix(w: object, what: str) -> Array:
     """A float32 copy of a 2-D host or device array (the layer owns its weight), finite."""
     backend = backends.of(w)
     a = backend.float_array(w, what)
@@ -170,13 +171,13 @@ class _LoraLayer:
             a = rng.uniform(-bound, bound, size=(config.r, in_f))
         else:
             a = rng.normal(0.0, 1.0 / config.r, size=(config.r, in_f))
-        self.lora_a: Any = backend.from_host(a.astype(np.float32))
-        self.lora_b: Any = backend.xp.zeros((out_f, config.r), np.float32)
-        self.bias: Any = None
+        self.lora_a: Array = backend.from_host(a.astype(np.float32))
+        self.lora_b: Array = backend.xp.zeros((out_f, config.r), np.float32)
+        self.bias: Array | None = None
         if bias is not None:
             self.bias = self._checked(bias, (out_f,), "bias", backend)
         # DoRA: the magnitude starts at the row norms of W, so a fresh adapter changes nothing.
-        self.lora_magnitude: Any = None
+        self.lora_magnitude: Array | None = None
         if config.use_dora:
             self.lora_magnitude = backend.xp.asarray(self._row_norms(), np.float32)
         self.training = True
@@ -187,8 +188,8 @@ class _LoraLayer:
         self._dropout_seed = _seed(config, name) + 1
         #: Dropout masks drawn so far; with the seed, all that decides the next one.
         self.dropout_draws = 0
-        self._merge_norms: Any = None
-        self._casts: tuple[Any, Any] | None = None
+        self._merge_norms: Array | None = None
+        self._casts: tuple[Array, Array] | None = None
 
     # --- parameters -----------------------------------------------------------------------
 
@@ -240,7 +241,7 @@ class _LoraLayer:
             g["lora_magnitude_vector"] = self.grad_magnitude
         return g
 
-    def _checked(self, value: Any, shape: tuple[int, ...], what: str, backend: Backend) -> Any:
+    def _checked(self, value: object, shape: tuple[int, ...], what: str, backend: Backend) -> Array:
         """`value` as a finite float32 array of `shape` on the layer's device (host values are
         copied to a GPU layer)."""
         source = backends.of(value)
@@ -258,13 +259,13 @@ class _LoraLayer:
             raise NonFiniteError(bad, what)
         return v
 
-    def _set(self, value: Any, shape: tuple[int, ...], what: str) -> Any:
+    def _set(self, value: object, shape: tuple[int, ...], what: str) -> Array:
         v = self._checked(value, shape, what, self._base.backend)
         if self.merged:
             raise ValueError(f"cannot set {what} while merged; unmerge() first")
         return v
 
-    def use_casts(self, casts: tuple[Any, Any] | None) -> None:
+    def use_casts(self, casts: tuple[Array, Array] | None) -> None:
         """A and B already cast to an activation dtype, for the forwards that follow (None:
         cast them in each forward, the default). A trainer casts all its adapters' parameters
         in one launch per step instead of two per forward, and clears these before the
@@ -339,12 +340,12 @@ class _LoraLayer:
 
     # --- forward / backward ---------------------------------------------------------------
 
-    def _row_norms(self) -> Any:
+    def _row_norms(self) -> Array:
         return self._base.row_norms(self.lora_b, self.lora_a, self.scaling)
 
     def _activation(
-        self, x: Any, what: str, width: int, scan: bool = True
-    ) -> tuple[Any, OutputDtype, tuple[int, ...]]:
+        self, x: object, what: str, width: int, scan: bool = True
+    ) -> tuple[Array, OutputDtype, tuple[int, ...]]:
         """x as a 2-D array of the compute dtype, the dtype to return results in, and x's
         leading shape; checked for non-finite values (unless `scan` is False, for a caller
         that checks a product of it instead: see _record_rows)."""
@@ -370,7 +371,7 @@ class _LoraLayer:
             self._finite.record(a, what)
         return a, out, lead
 
-    def _record_rows(self, product: Any, a: Any, what: str) -> None:
+    def _record_rows(self, product: Array, a: Array, what: str) -> None:
         """On the GPU, the non-finite check of an activation `a` [m, width] through its
         product with a LoRA matrix ([m, r]): a NaN or ±inf anywhere in a row of `a` makes
         that whole row of the product NaN or ±inf (inf·0 is NaN), so scanning the product,
@@ -381,7 +382,7 @@ class _LoraLayer:
             self._finite.record(product, what, row_stride=int(a.shape[-1]))
 
     def _result(
-        self, y: Any, dtype: OutputDtype, shape: tuple[int, ...], out: Any, what: str
+        self, y: Array, dtype: OutputDtype, shape: tuple[int, ...], out: Any, what: str
     ) -> Any:
         """y of `shape` in `dtype`; written into `out` (checked) when one is given."""
         if y.shape != shape:
@@ -402,7 +403,7 @@ class _LoraLayer:
         out[...] = y
         return out
 
-    def _keep_mask(self, shape: tuple[int, ...], dtype: Any) -> Any:
+    def _keep_mask(self, shape: tuple[int, ...], dtype: DTypeLike) -> Array | None:
         """Inverted dropout: 1/(1-p) where kept, 0 where dropped; None when inactive. Made on
         the layer's device from (seed, draw count, element) alone (nybble.lora.dropout): the
         same masks on the CPU and the GPU, and `dropout_draws` is the whole stream's state."""
@@ -523,7 +524,7 @@ class _LoraLayer:
         """s·B·A [out, in] in float32."""
         return self._base.backend.matmul(self.lora_b, self.lora_a, alpha=self.scaling)
 
-    def _merged_dense(self, w: Any) -> tuple[Any, Any]:
+    def _merged_dense(self, w: Array) -> tuple[Array, Array | None]:
         """(W + ΔW, or its DoRA form; the DoRA norms used) computed from the unmerged W."""
         xp = self._base.backend.xp
         with np.errstate(over="ignore", invalid="ignore"):  # callers check finiteness
@@ -533,7 +534,7 @@ class _LoraLayer:
             norms = xp.linalg.norm(merged, axis=1).astype(np.float32)
             return merged * (self.lora_magnitude / norms)[:, None], norms
 
-    def _merged_result(self, merged: Any, dtype: Any) -> Any:
+    def _merged_result(self, merged: Array, dtype: DTypeLike) -> Array:
         name = formats.output_dtype(dtype)
         m = merged.T if self.config.fan_in_fan_out else merged
         return m.astype(formats.numpy_dtype(name))
