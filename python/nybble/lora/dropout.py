@@ -8,9 +8,14 @@ the same mask on the CPU and the GPU."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import DTypeLike
+
+if TYPE_CHECKING:
+    from ..backends import Array
 
 _M32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
@@ -26,7 +31,7 @@ def _hash32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _hash32_inplace(z: Any) -> None:
+def _hash32_inplace(z: Array) -> None:
     """lowbias32 on a uint32 array, in place (products wrap modulo 2^32)."""
     z ^= z >> np.uint32(16)
     z *= np.uint32(_MUL1)
@@ -35,7 +40,9 @@ def _hash32_inplace(z: Any) -> None:
     z ^= z >> np.uint32(16)
 
 
-def keep_mask(xp: Any, shape: tuple[int, ...], p: float, seed: int, draw: int, dtype: Any) -> Any:
+def keep_mask(
+    xp: ModuleType, shape: tuple[int, ...], p: float, seed: int, draw: int, dtype: DTypeLike
+) -> Array:
     """Inverted dropout's multiplier for an array of `shape`: 1/(1-p) where kept, 0 where
     dropped, in `dtype`, on `xp`'s device: mask number `draw` of the stream `seed`."""
     n = math.prod(shape)
