@@ -943,9 +943,9 @@ class PeftBnbTimeline:
             self.input_ids = ids
         self._forward_begins()
         self.cache: list[int] = []
-        self._embeddings_begin()
+        self._embedding_begins()
         x = tp.new(e * t * h)  # embedding output
-        self._embeddings_end()
+        self._embedding_ends()
         self._workspace(0)  # the rotary embedding's matmul is the forward's first
         rope = self._rotary_tables()
         inputs, saved = [x], []
@@ -1031,10 +1031,10 @@ class PeftBnbTimeline:
 
     # --- what a distributed runtime adds (memory.distributed): nothing on one GPU ----------
 
-    def _embeddings_begin(self) -> None:
+    def _embedding_begins(self) -> None:
         """The input embeddings' forward begins."""
 
-    def _embeddings_end(self) -> None:
+    def _embedding_ends(self) -> None:
         """The input embeddings' forward has returned."""
 
     def _head_begins(self, forward: bool) -> None:
