@@ -111,13 +111,6 @@ def shard_model(
     `fully_shard` is applied to each decoder layer (`layers`: modules, or a predicate; default
     `decoder_layers(model)`) and to the root. Returns `model` (sharded in place).
 
-    embedding_units  the input and output embeddings (the embedding table and the head) as
-                 units of their own too, gathered only around their own forward and backward
-                 instead of with the root from the first layer to the loss: less memory
-                 (measured on the Llama-3.1-70B shape: 28% less reserved at one GPU, 25% at
-                 two), a slightly slower step (2-10%); refused for tied embeddings, which
-                 two units cannot share (docs/multi-gpu.md)
-
     mesh         a 1-D DeviceMesh (default: every rank, `default_mesh()`)
     mp_policy    FSDP's `MixedPrecisionPolicy`, e.g. `MixedPrecisionPolicy(param_dtype=
                  torch.bfloat16, reduce_dtype=torch.float32)`: the LoRA (and other float)
@@ -125,6 +118,12 @@ def shard_model(
                  not cast (they are codes)
     offload      FSDP's `CPUOffloadPolicy`: the shards (4-bit included), gradients and the
                  optimizer step live in host memory (`pin_memory` as FSDP's)
+    embedding_units  the input and output embeddings (the embedding table and the head) as
+                 units of their own too, gathered only around their own forward and backward
+                 instead of with the root from the first layer to the loss: less memory
+                 (measured on the Llama-3.1-70B shape: 28% less reserved at one GPU, 25% at
+                 two), a slightly slower step (2-10%); refused for tied embeddings, which
+                 two units cannot share (docs/multi-gpu.md)
 
     Each layer's out_features must divide evenly over the mesh (FSDP pads uneven shards,
     which a packed weight cannot be): a ValueError naming the layer otherwise, raised before
@@ -166,8 +165,8 @@ def shard_model(
         blocks = [m for m in model.modules() if layers(m)]
     else:
         blocks = list(layers)
-    if ends:
-        blocks = [ends[0], *blocks, ends[1]]
+    if ends:  # first and last, once (`layers` may name them too)
+        blocks = [ends[0], *(b for b in blocks if b is not ends[0] and b is not ends[1]), ends[1]]
     with _integer_parameters_frozen_by_default():
         for block in blocks:
             fully_shard(block, **kwargs)
