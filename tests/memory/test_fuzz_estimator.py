@@ -130,6 +130,7 @@ SEVERAL_GPUS: dict[str, list[Any]] = {
     "gpus": [1, 2, 4, 8, 3, 0, -1, 2**40, 1.5, 2.0, "2", True, None],
     "strategy": ["fsdp", "ddp", "FSDP", "zero3", "", None, 1],
     "offload": [True, False, 1, "yes", None],
+    "embedding_units": [True, False, 1, "yes", None],
     "framework": ["nybble-torch", "peft-bnb", "nybble"],
 }
 
