@@ -63,7 +63,7 @@ class MemoryEstimate:
 
     On several GPUs (`setup.gpus`, `setup.strategy`: docs/estimator.md, "Several GPUs") every
     figure is one GPU's, the one that holds the most; `nccl_bytes` (NCCL's buffers, outside
-    the allocator: an assumed constant) is part of `total_bytes` and of the breakdown, and
+    the allocator: measured at one and two GPUs) is part of `total_bytes` and of the breakdown, and
     with CPU offload `host_bytes` is what each process keeps in host memory
     (`host_breakdown`, by part), not counted in the GPU's figures.
     """

@@ -6,7 +6,7 @@ all-gathered layers, the reduce-scatter and DDP's gradient buckets, `distributed
 three are what the GPU holds beyond them at the peak: the caching allocator's free blocks
 (`reserved - allocated`), the process's memory outside the allocator (CUDA context and the
 kernel modules loaded by then, `runtime.OutsideAllocator`) and, on several GPUs, NCCL's own
-buffers (`distributed.NCCL_WORKSPACE`, an assumption). They add up to `total_bytes`.
+buffers (`distributed.nccl_workspace`, measured at one and two GPUs). They add up to `total_bytes`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ DESCRIPTIONS = {
     COMM_BUFFERS: "FSDP's reduce-scatter buffers, DDP's gradient buckets",
     ALLOCATOR_CACHE: "free blocks the allocator (torch's, CuPy's pool) keeps at the peak",
     OUTSIDE_ALLOCATOR: "process memory outside the allocator (CUDA context, kernels)",
-    NCCL_WORKSPACE: "NCCL's own buffers, outside the allocator (an assumed constant)",
+    NCCL_WORKSPACE: "NCCL's own buffers, outside the allocator (as measured at 1 and 2 GPUs)",
 }
 
 __all__ = [
