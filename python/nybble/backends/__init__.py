@@ -42,6 +42,13 @@ Device = Literal["cpu", "cuda"]
 DEVICES: tuple[Device, ...] = ("cpu", "cuda")
 
 
+class Flags(Protocol):
+    """An array's memory layout flags (numpy's, CuPy's, a recording's)."""
+
+    @property
+    def c_contiguous(self) -> bool: ...
+
+
 class Array(Protocol):
     """A backend's array as the code above the seam uses it (numpy's on the CPU, CuPy's on
     the GPU, `record.RecordArray` in a recording): its shape and dtype, views, casts,
@@ -59,6 +66,9 @@ class Array(Protocol):
 
     @property
     def size(self) -> int: ...
+
+    @property
+    def flags(self) -> Flags: ...
 
     @property
     def T(self) -> Array: ...

@@ -26,11 +26,14 @@ read back from their module (`FlashFacts`). This module imports no device librar
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .. import backends
+from ..backends import Array
 from ..formats import dtype_name
 from . import functional as F
 
@@ -72,7 +75,7 @@ ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 65536
 
 
-def supports(dtype: Any) -> bool:
+def supports(dtype: DTypeLike) -> bool:
     """Whether the fused kernels take arrays of `dtype`."""
     return dtype_name(np.dtype(dtype)) in SUFFIX
 
@@ -99,12 +102,12 @@ def _module(backend: backends.Backend) -> backends.KernelModule:
     return backend.kernel_module(KERNEL_FILE, COMPILE_OPTIONS)
 
 
-def _kernel(backend: backends.Backend, name: str, dtype: Any) -> backends.Kernel:
+def _kernel(backend: backends.Backend, name: str, dtype: DTypeLike) -> backends.Kernel:
     suffix = SUFFIX[dtype_name(np.dtype(dtype))]
     return _module(backend).function(f"{name}_{suffix}")
 
 
-def _check(what: str, a: Any, dtype: Any, shape: tuple[int, ...] | None = None) -> None:
+def _check(what: str, a: Array, dtype: DTypeLike, shape: tuple[int, ...] | None = None) -> None:
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype)} array, got {a.dtype}")
     if shape is not None and tuple(a.shape) != shape:
@@ -112,8 +115,8 @@ def _check(what: str, a: Any, dtype: Any, shape: tuple[int, ...] | None = None) 
 
 
 def _row_args(
-    s: Any, row_table: Any, t0: int, group: int, window: int | None, scale: float
-) -> tuple[Any, ...]:
+    s: Array, row_table: Array, t0: int, group: int, window: int | None, scale: float
+) -> tuple[Array, ...]:
     batch, rows, keys = (int(n) for n in s.shape)
     stride = int(row_table.shape[1])
     if t0 * group + rows > stride or row_table.shape[0] != batch:
@@ -133,7 +136,7 @@ def _row_args(
     )
 
 
-def _starts_args(starts: Any, batch: int) -> tuple[Any, np.int64]:
+def _starts_args(starts: Array | None, batch: int) -> tuple[Array, np.int64]:
     """The kernels' (starts, positions) arguments: a null pointer without starts."""
     if starts is None:
         return np.uint64(0), np.int64(0)
@@ -153,8 +156,14 @@ class FusedSoftmax:
         self.flash = flash
 
     def flash_forward(
-        self, q: Any, k: Any, v: Any, scale: float, window: int | None, starts: Any = None
-    ) -> tuple[Any, Any] | None:
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        scale: float,
+        window: int | None,
+        starts: Array | None = None,
+    ) -> tuple[Array, Array] | None:
         """`functional.attention_forward` (same arguments, layouts and results: the output
         [B, T, kv_heads, group, D] and the log-sum-exp [B·kv_heads, T·group] in float32) in
         one launch, or None where the flash kernels do not apply (then the chunked path runs)."""
@@ -164,16 +173,16 @@ class FusedSoftmax:
 
     def flash_backward(
         self,
-        do: Any,
-        q: Any,
-        k: Any,
-        v: Any,
-        out: Any,
-        lse: Any,
+        do: Array,
+        q: Array,
+        k: Array,
+        v: Array,
+        out: Array,
+        lse: Array,
         scale: float,
         window: int | None,
-        starts: Any = None,
-    ) -> tuple[Any, Any, Any] | None:
+        starts: Array | None = None,
+    ) -> tuple[Array, Array, Array] | None:
         """`functional.attention_backward` (dq [B, T, kv_heads, group, D], dk and dv
         [B, T, kv_heads, D]) in three launches, or None where the flash kernels do not apply."""
         if not (self.flash and flash_applies(q, k, v, starts)):
@@ -191,13 +200,13 @@ class FusedSoftmax:
 
     def forward(
         self,
-        s: Any,
-        lse: Any,
+        s: Array,
+        lse: Array,
         t0: int,
         group: int,
         window: int | None,
         scale: float,
-        starts: Any = None,
+        starts: Array | None = None,
     ) -> None:
         _check("scores", s, s.dtype)
         _check("lse", lse, np.float32)
@@ -210,15 +219,15 @@ class FusedSoftmax:
 
     def backward(
         self,
-        s: Any,
-        dp: Any,
-        lse: Any,
-        delta: Any,
+        s: Array,
+        dp: Array,
+        lse: Array,
+        delta: Array,
         t0: int,
         group: int,
         window: int | None,
         scale: float,
-        starts: Any = None,
+        starts: Array | None = None,
     ) -> None:
         _check("scores", s, s.dtype)
         _check("dp", dp, s.dtype, tuple(s.shape))
@@ -305,7 +314,7 @@ def _flash_facts(backend: backends.Backend) -> FlashFacts:
 
 
 @functools.cache
-def _module_facts(module: Any) -> FlashFacts:
+def _module_facts(module: backends.KernelModule) -> FlashFacts:
     return FlashFacts(*module.read_facts(FLASH_FACTS_SYMBOL, len(FlashFacts._fields)))
 
 
@@ -322,7 +331,7 @@ def _flash_capable(backend: backends.Backend) -> bool:
     return capability is None or capability >= 80
 
 
-def _aligned(a: Any) -> bool:
+def _aligned(a: Array) -> bool:
     """C-contiguous with its first element on a 16-byte boundary (the kernels copy rows 16
     bytes at a time)."""
     if not a.flags.c_contiguous:
@@ -333,7 +342,7 @@ def _aligned(a: Any) -> bool:
     return int(data.ptr) % 16 == 0
 
 
-def flash_applies(q: Any, k: Any, v: Any, starts: Any = None) -> bool:
+def flash_applies(q: Array, k: Array, v: Array, starts: Array | None = None) -> bool:
     """Whether the flash kernels take this attention: CuPy arrays in bfloat16, q
     [B, kv_heads, T, group, D] and k, v [B, kv_heads, T, D] C-contiguous and 16-byte aligned,
     D in FLASH_HEAD_DIMS, sizes within the kernels' int32 indices and grid, `starts` [B, T] or
@@ -359,7 +368,7 @@ def flash_applies(q: Any, k: Any, v: Any, starts: Any = None) -> bool:
     return t * group < 2**31 - 2 * _flash_facts(backend).block
 
 
-def _flash_starts(xp: Any, starts: Any) -> Any:
+def _flash_starts(xp: ModuleType, starts: Array | None) -> Array:
     """The kernels' starts argument: int32 [B, T], or a null pointer."""
     if starts is None:
         return np.uint64(0)
@@ -376,8 +385,8 @@ def _flash_launch(
 
 
 def _flash_forward(
-    q: Any, k: Any, v: Any, scale: float, window: int | None, starts: Any
-) -> tuple[Any, Any]:
+    q: Array, k: Array, v: Array, scale: float, window: int | None, starts: Array | None
+) -> tuple[Array, Array]:
     backend = _backend()
     xp = backend.xp
     b, kv, t, group, d = (int(n) for n in q.shape)
@@ -393,16 +402,16 @@ def _flash_forward(
 
 
 def _flash_backward(
-    do: Any,
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    lse: Any,
+    do: Array,
+    q: Array,
+    k: Array,
+    v: Array,
+    out: Array,
+    lse: Array,
     scale: float,
     window: int | None,
-    starts: Any,
-) -> tuple[Any, Any, Any]:
+    starts: Array | None,
+) -> tuple[Array, Array, Array]:
     backend = _backend()
     xp = backend.xp
     b, kv, t, group, d = (int(n) for n in q.shape)
@@ -453,7 +462,7 @@ class FusedGate:
         blocks = (n + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS
         return (max(1, min(blocks, ELEMENTWISE_MAX_BLOCKS)),)
 
-    def forward(self, gate: Any, up: Any) -> Any:
+    def forward(self, gate: Array, up: Array) -> Array:
         backend = _backend()
         _check("gate", gate, gate.dtype)
         _check("up", up, gate.dtype, tuple(gate.shape))
@@ -464,7 +473,7 @@ class FusedGate:
             kernel(self._grid(n), (ELEMENTWISE_THREADS,), (gate, up, out, np.int64(n)))
         return out
 
-    def backward(self, da: Any, gate: Any, up: Any) -> tuple[Any, Any]:
+    def backward(self, da: Array, gate: Array, up: Array) -> tuple[Array, Array]:
         _check("gate", gate, gate.dtype)
         _check("up", up, gate.dtype, tuple(gate.shape))
         _check("grad", da, gate.dtype, tuple(gate.shape))
@@ -480,7 +489,7 @@ def _warp_rows_grid(rows: int) -> tuple[int]:
     return (max(1, (rows + per_block - 1) // per_block),)
 
 
-def _fusable(dtype: Any, *arrays: Any) -> bool:
+def _fusable(dtype: DTypeLike, *arrays: Array) -> bool:
     """Whether the row kernels take these arrays: C-contiguous, of one dtype the kernels
     know, and (the norm weights, given as float32 arrays) float32."""
     if not supports(dtype):
@@ -488,7 +497,7 @@ def _fusable(dtype: Any, *arrays: Any) -> bool:
     return all(a is None or a.flags.c_contiguous for a in arrays)
 
 
-def _f32_weight(w: Any) -> bool:
+def _f32_weight(w: Array) -> bool:
     return w is None or (w.dtype == np.float32 and w.flags.c_contiguous)
 
 
@@ -496,7 +505,7 @@ class FusedNorm:
     """`functional.NormKernels` on the GPU: one launch each way. A trainable weight's gradient
     (full fine-tuning) and other dtypes go to the xp statement."""
 
-    def forward(self, x: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    def forward(self, x: Array, weight: Array, eps: float) -> tuple[Array, Array]:
         backend = _backend()
         xp = backend.xp
         if not (_fusable(x.dtype, x) and _f32_weight(weight)) or x.size == 0:
@@ -511,8 +520,8 @@ class FusedNorm:
         return y, rstd
 
     def backward(
-        self, dy: Any, x: Any, rstd: Any, weight: Any, weight_grad: bool
-    ) -> tuple[Any, Any]:
+        self, dy: Array, x: Array, rstd: Array, weight: Array, weight_grad: bool
+    ) -> tuple[Array, Array | None]:
         backend = _backend()
         xp = backend.xp
         fusable = _fusable(x.dtype, dy, x, rstd) and _f32_weight(weight) and dy.dtype == x.dtype
@@ -536,7 +545,7 @@ class FusedHeads:
         #: of the row kernels (one a device).
         self._no_weight: dict[Any, Any] = {}
 
-    def _weight(self, backend: backends.Backend, w: Any) -> tuple[Any, np.int32]:
+    def _weight(self, backend: backends.Backend, w: Array) -> tuple[Array, np.int32]:
         """The norm weight and the has-norm flag (a one-element stand-in without a norm)."""
         if w is not None:
             return w, np.int32(1)
@@ -546,8 +555,8 @@ class FusedHeads:
         return self._no_weight[module], np.int32(0)
 
     def forward(
-        self, x: Any, weight: Any, eps: float, cos: Any, sin: Any, group: int
-    ) -> tuple[Any, Any]:
+        self, x: Array, weight: Array, eps: float, cos: Array, sin: Array, group: int
+    ) -> tuple[Array, Array | None]:
         backend = _backend()
         xp = backend.xp
         b, t, heads, d = (int(n) for n in x.shape)
@@ -580,14 +589,14 @@ class FusedHeads:
 
     def backward(
         self,
-        dy: Any,
-        x: Any,
-        rstd: Any,
-        weight: Any,
-        cos: Any,
-        sin: Any,
+        dy: Array,
+        x: Array,
+        rstd: Array,
+        weight: Array,
+        cos: Array,
+        sin: Array,
         weight_grad: bool,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Array, Array | None]:
         backend = _backend()
         xp = backend.xp
         b, t, heads, d = (int(n) for n in dy.shape)
