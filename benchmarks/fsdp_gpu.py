@@ -333,10 +333,18 @@ def run(
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(left, 30.0))
     except subprocess.TimeoutExpired:
         return {"side": side, "gpus": gpus, "error": "timed out"}
-    for line in p.stdout.splitlines():
+    found = _result(p.stdout)
+    if found is not None:
+        return found
+    return {"side": side, "gpus": gpus, "error": f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"}
+
+
+def _result(stdout: str) -> dict[str, Any] | None:
+    """The record a worker printed as its `RESULT {...}` line, if it did."""
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT ") :]))
-    return {"side": side, "gpus": gpus, "error": f"exit {p.returncode}: {p.stderr.strip()[-2000:]}"}
+    return None
 
 
 def estimate(side: str, gpus: int, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -541,8 +549,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "floor", "--shape", args.shape]
         cmd += ["--layers", str(args.layers), "--seq", str(args.seq), "--steps", str(args.steps)]
         p = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        floor = json.loads(lines[0][len("RESULT ") :]) if lines else {"error": p.stderr[-2000:]}
+        floor = _result(p.stdout) or {"error": p.stderr[-2000:]}
         print(json.dumps(floor), flush=True)
     config = dict(
         shape=args.shape,
@@ -566,17 +573,16 @@ def main() -> None:
     command = " ".join(["python3", *sys.argv])
     for rec in records:
         rec["command"] = command
-    if out.is_file():  # an earlier command's records of the same configuration stay
-        earlier = json.loads(out.read_text())
-        if earlier.get("config") == config:
-            done = {(r["side"], r["gpus"]) for r in records}
-            kept = [r for r in earlier.get("records", []) if (r["side"], r["gpus"]) not in done]
-            records = sorted(kept + records, key=lambda r: (r["gpus"], r["side"]))
+    # an earlier command's records (and floor) of the same configuration stay
+    earlier = json.loads(out.read_text()) if out.is_file() else {}
+    if earlier.get("config") == config:
+        done = {(r["side"], r["gpus"]) for r in records}
+        kept = [r for r in earlier.get("records", []) if (r["side"], r["gpus"]) not in done]
+        records = sorted(kept + records, key=lambda r: (r["gpus"], r["side"]))
+        floor = floor or earlier.get("floor")
     result = {"config": config, "records": records, "summary": summary(records)}
     if floor is not None:
         result["floor"] = floor
-    elif out.is_file() and "floor" in json.loads(out.read_text()):
-        result["floor"] = json.loads(out.read_text())["floor"]
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
